@@ -1,0 +1,631 @@
+"""KnowGPT: the CS224N minGPT fork as a 🤗 causal language model.
+
+Token embedding + learned absolute position embedding (none with RoPE), dropout, pre-LayerNorm blocks
+(attention, then a GELU MLP of width 4·n_embd), final LayerNorm and an untied, bias-free head.
+The four `attention_type`s share the block and differ only in how attention scores are formed:
+
+- vanilla: softmax(Q Kᵀ/√d) V, causal;
+- rope: the same with queries and keys rotated by their positions (adjacent feature pairs);
+- synthesizer: softmax(ReLU(X A + b₁) B + b₂) V: the "keys" are learned columns of B indexed by key
+  position, so it runs through the same attention kernel with K = Bᵀ[positions] and a bias b₂;
+- perceiver: a learned basis C cross-attends to the input (down-projection), n_layer − 2 ordinary blocks
+  run over the bottleneck, and the input cross-attends back to it (up-projection).
+
+Masks are position based (a key is visible when its position is at most the query's and it is not
+padding), built by one helper, so left-padded batches and the KV cache give the same tokens as
+unpadded, uncached calls.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_knowgpt import KnowGPTConfig
+
+# transformers 5.2x renamed the cache field of model outputs and the forward keyword from
+# `past_key_values` to `cache`; the model accepts both and fills whichever the installed version has.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _with_cache(output_class, cache, **fields):
+    return output_class(**fields, **{_CACHE_FIELD: cache})
+
+
+class TokenGrid:
+    """Where the computed tokens sit in the (batch, time) grid.
+
+    Dense: every position is computed and hidden states are (B, T, C). Packed: only the positions in
+    `token_index` (flat b·T + t) are computed and hidden states are (N, C); a corrupted training
+    document fills about half of its 128 positions, the rest is right padding whose targets are never
+    trained. Position-wise layers then do half the work; attention scatters tokens back into the grid.
+    The packed tokens must form a prefix of each row, so that no computed query sees an absent key.
+    """
+
+    def __init__(self, batch_size: int, seq_len: int, token_index: torch.Tensor | None = None):
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.token_index = token_index
+
+    @property
+    def packed(self) -> bool:
+        return self.token_index is not None
+
+    def to_grid(self, states: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return states
+        flat = states.new_zeros((self.batch_size * self.seq_len, *states.shape[1:]))
+        flat = flat.index_copy(0, self.token_index, states)
+        return flat.view(self.batch_size, self.seq_len, *states.shape[1:])
+
+    def from_grid(self, states: torch.Tensor) -> torch.Tensor:
+        if not self.packed:
+            return states
+        flat = states.reshape(self.batch_size * self.seq_len, *states.shape[2:])
+        return flat.index_select(0, self.token_index)
+
+
+@dataclass
+class AttentionContext:
+    """Positions and visibility shared by every attention layer of one forward call.
+
+    `causal_only` marks the training case (no cache, no padding mask): attention is plain causal
+    over the index and the fused kernels run without an explicit mask.
+    """
+
+    query_positions: torch.Tensor  # (B or 1, Tq)
+    key_positions: torch.Tensor  # (B or 1, Tk), past and present keys
+    key_valid: torch.Tensor | None  # (B, Tk) bool, False for padding
+    causal_only: bool
+
+    def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
+        """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
+        query_positions = self.query_positions if query_positions is None else query_positions
+        key_positions = self.key_positions if key_positions is None else key_positions
+        key_valid = self.key_valid if isinstance(key_valid, str) else key_valid
+        visible = key_positions[:, None, :] <= query_positions[:, :, None]
+        if key_valid is not None:
+            visible = visible & key_valid[:, None, :]
+        # A query that sees no key at all (a padding query before any real token) would turn the
+        # softmax into NaN; let it see everything: its output is never used.
+        visible = visible | ~visible.any(dim=-1, keepdim=True)
+        return visible[:, None]
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Turn a boolean visibility mask (plus an optional additive score bias) into the float mask SDPA adds."""
+    blocked = torch.finfo(dtype).min
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, blocked)
+    if bias is not None:
+        mask = mask + bias.to(dtype)
+    return mask
+
+
+def sdpa_attention(query, key, value, mask, scale, dropout_p, is_causal):
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+    )
+
+
+def eager_attention(query, key, value, mask, scale, dropout_p, is_causal):
+    """Unfused attention, as the handouts compute it; also the reference for the fused kernels."""
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores + mask
+    weights = F.softmax(scores.float(), dim=-1).to(value.dtype)
+    weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(weights, value)
+
+
+ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def attention_function(config: KnowGPTConfig):
+    implementation = config._attn_implementation or "sdpa"
+    if implementation not in ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {implementation!r}"
+        )
+    return ATTENTION_FUNCTIONS[implementation]
+
+
+def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of t·θ_i, θ_i = theta^(-2(i-1)/head_dim), i = 1..head_dim/2; shaped (B, 1, T, head_dim/2)."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inverse_frequencies = theta ** (-exponents)
+    angles = positions[:, None, :, None].float() * inverse_frequencies
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent feature pairs (x₂ᵢ, x₂ᵢ₊₁) by the angles: complex multiplication by e^{i t θ}."""
+    even, odd = states[..., 0::2].float(), states[..., 1::2].float()
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(states.dtype)
+
+
+def split_heads(states: torch.Tensor, n_head: int) -> torch.Tensor:
+    batch, length, width = states.shape
+    return states.view(batch, length, n_head, width // n_head).transpose(1, 2)
+
+
+def merge_heads(states: torch.Tensor) -> torch.Tensor:
+    batch, n_head, length, head_dim = states.shape
+    return states.transpose(1, 2).reshape(batch, length, n_head * head_dim)
+
+
+class KnowGPTMLP(nn.Module):
+    def __init__(self, config: KnowGPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.act = nn.GELU()
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states):
+        return self.dropout(self.proj(self.act(self.fc(hidden_states))))
+
+
+class KnowGPTSelfAttention(nn.Module):
+    """Causal multi-head self-attention (vanilla), with rotary queries and keys when `rotary`."""
+
+    def __init__(self, config: KnowGPTConfig, layer_idx: int, rotary: bool = False):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.rotary = rotary
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.query = nn.Linear(config.n_embd, config.n_embd)
+        self.key = nn.Linear(config.n_embd, config.n_embd)
+        self.value = nn.Linear(config.n_embd, config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
+        query = split_heads(grid.to_grid(self.query(hidden_states)), self.n_head)
+        key = split_heads(grid.to_grid(self.key(hidden_states)), self.n_head)
+        value = split_heads(grid.to_grid(self.value(hidden_states)), self.n_head)
+        if self.rotary:
+            cos, sin = rotary_angles(context.query_positions, self.head_dim, self.config.rope_theta)
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        mask = None if context.causal_only else additive_mask(context.visibility(), query.dtype)
+        attended = attention_function(self.config)(
+            query,
+            key,
+            value,
+            mask,
+            scale=1.0 / math.sqrt(self.head_dim),
+            dropout_p=self.config.attn_pdrop if self.training else 0.0,
+            is_causal=context.causal_only,
+        )
+        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended))))
+
+
+class KnowGPTSynthesizerAttention(nn.Module):
+    """Dense Synthesizer (2021 handout): per head softmax(ReLU(X A_i + b₁) B + b₂)(X V_i), causal.
+
+    As in the handout's code, `w1` holds all heads' A_i (and b₁), and one B (`w2`, d/h × ℓ) with
+    its bias `b2` is shared by the heads; ℓ = block_size. The score of key position j is a dot
+    product with column j of B, so B's columns act as position-indexed keys.
+    """
+
+    def __init__(self, config: KnowGPTConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.w1 = nn.Linear(config.n_embd, config.n_embd)
+        self.w2 = nn.Parameter(torch.empty(config.head_dim, config.block_size))
+        self.b2 = nn.Parameter(torch.empty(config.block_size))
+        self.value = nn.Linear(config.n_embd, config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
+        features = split_heads(grid.to_grid(F.relu(self.w1(hidden_states))), self.n_head)
+        value = split_heads(grid.to_grid(self.value(hidden_states)), self.n_head)
+        # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t.
+        key = self.w2.t()[context.query_positions][:, None].to(value.dtype)
+        key = key.expand(value.shape[0], 1, -1, -1)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        key = key.expand(value.shape[0], self.n_head, -1, -1)
+        bias = self.b2[context.key_positions][:, None, None, :]
+        visible = context.visibility()
+        attended = attention_function(self.config)(
+            features,
+            key,
+            value,
+            additive_mask(visible, features.dtype, bias),
+            scale=1.0,
+            dropout_p=self.config.attn_pdrop if self.training else 0.0,
+            is_causal=False,
+        )
+        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended))))
+
+
+class KnowGPTCrossAttention(nn.Module):
+    """Multi-head attention of one stream (queries) over another (keys and values), for the perceiver."""
+
+    def __init__(self, config: KnowGPTConfig):
+        super().__init__()
+        self.config = config
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.query = nn.Linear(config.n_embd, config.n_embd)
+        self.key = nn.Linear(config.n_embd, config.n_embd)
+        self.value = nn.Linear(config.n_embd, config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, query_states, key, value, visible):
+        """query_states: (B, Tq, C); key, value: (B, h, Tk, d) already projected; visible: (B, 1, Tq, Tk)."""
+        query = split_heads(self.query(query_states), self.n_head)
+        attended = attention_function(self.config)(
+            query,
+            key,
+            value,
+            additive_mask(visible, query.dtype),
+            scale=1.0 / math.sqrt(self.head_dim),
+            dropout_p=self.config.attn_pdrop if self.training else 0.0,
+            is_causal=False,
+        )
+        return self.resid_dropout(self.proj(merge_heads(attended)))
+
+    def project_context(self, context_states):
+        return split_heads(self.key(context_states), self.n_head), split_heads(self.value(context_states), self.n_head)
+
+
+class KnowGPTBlock(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+
+    def __init__(self, config: KnowGPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        if config.attention_type == "synthesizer":
+            self.attn = KnowGPTSynthesizerAttention(config, layer_idx)
+        else:
+            self.attn = KnowGPTSelfAttention(config, layer_idx, rotary=config.attention_type == "rope")
+        self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = KnowGPTMLP(config)
+
+    def forward(self, hidden_states, grid, context, cache=None):
+        hidden_states = hidden_states + self.attn(self.ln1(hidden_states), grid, context, cache)
+        return hidden_states + self.mlp(self.ln2(hidden_states))
+
+
+class KnowGPTPerceiverDownBlock(nn.Module):
+    """The basis C (bottleneck_dim × n_embd) cross-attends to the embedded input; latent j sees inputs up to position j.
+
+    Following the 2023 handout's hints, the LayerNorm goes on C (the queries) and on the MLP input.
+    """
+
+    def __init__(self, config: KnowGPTConfig):
+        super().__init__()
+        self.C = nn.Parameter(torch.empty(1, config.bottleneck_dim, config.n_embd))
+        self.ln1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = KnowGPTCrossAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = KnowGPTMLP(config)
+
+    def forward(self, input_key, input_value, visible):
+        basis = self.C.expand(input_key.shape[0], -1, -1)
+        latents = basis + self.attn(self.ln1(basis), input_key, input_value, visible)
+        return latents + self.mlp(self.ln2(latents))
+
+
+class KnowGPTPerceiverUpBlock(nn.Module):
+    """The embedded input cross-attends to the bottleneck output; position t sees latents up to t.
+
+    Following the 2023 handout's hints, the LayerNorm goes on the latents (keys and values) and on the MLP input.
+    """
+
+    def __init__(self, config: KnowGPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = KnowGPTCrossAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = KnowGPTMLP(config)
+
+    def forward(self, input_states, latents, grid: TokenGrid, visible):
+        key, value = self.attn.project_context(self.ln1(latents))
+        attended = self.attn(grid.to_grid(input_states), key, value, visible)
+        hidden_states = input_states + grid.from_grid(attended)
+        return hidden_states + self.mlp(self.ln2(hidden_states))
+
+
+class KnowGPTPreTrainedModel(PreTrainedModel):
+    config_class = KnowGPTConfig
+    config: KnowGPTConfig
+    base_model_prefix = "transformer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["KnowGPTBlock", "KnowGPTPerceiverDownBlock", "KnowGPTPerceiverUpBlock"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_attention_backend = False
+
+    def set_attn_implementation(self, attn_implementation: str, **kwargs):
+        """Switch between fused ("sdpa") and unfused, handout-style ("eager") attention."""
+        if attn_implementation not in ATTENTION_FUNCTIONS:
+            raise ValueError(
+                f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {attn_implementation!r}"
+            )
+        self.config._attn_implementation = attn_implementation
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        # Name both heads in auto_map, so either Auto class loads any checkpoint with trust_remote_code.
+        self.config.auto_map = {
+            **(getattr(self.config, "auto_map", None) or {}),
+            "AutoModel": "modeling_knowgpt.KnowGPTModel",
+            "AutoModelForCausalLM": "modeling_knowgpt.KnowGPTForCausalLM",
+        }
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _init_weights(self, module):
+        """The handouts' init: N(0, 0.02) weights, zero biases, unit LayerNorms; zero position embedding
+        (minGPT's `pos_emb` starts at zeros); the synthesizer's B ~ U(-0.001, 0.001); the perceiver's C Xavier."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            if module is getattr(self.base_model, "pos_emb", None):
+                init.zeros_(module.weight)
+            else:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, KnowGPTSynthesizerAttention):
+            init.uniform_(module.w2, -0.001, 0.001)
+            init.zeros_(module.b2)
+        elif isinstance(module, KnowGPTPerceiverDownBlock):
+            init.xavier_uniform_(module.C)
+
+
+class KnowGPTModel(KnowGPTPreTrainedModel):
+    """The KnowGPT backbone: embeddings, blocks and final LayerNorm; returns the last hidden states."""
+
+    def __init__(self, config: KnowGPTConfig):
+        super().__init__(config)
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = None if config.attention_type == "rope" else nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.embd_pdrop)
+        if config.attention_type == "perceiver":
+            self.down_block = KnowGPTPerceiverDownBlock(config)
+            self.blocks = nn.ModuleList(KnowGPTBlock(config, i) for i in range(config.n_layer - 2))
+            self.up_block = KnowGPTPerceiverUpBlock(config)
+        else:
+            self.blocks = nn.ModuleList(KnowGPTBlock(config, i) for i in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.tok_emb
+
+    def set_input_embeddings(self, value):
+        self.tok_emb = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        token_index: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        r"""
+        token_index (`torch.LongTensor` of shape `(num_tokens,)`, *optional*):
+            Flat indices (b·T + t) of the positions to compute, a prefix of each row; the others are right
+            padding and are skipped. Hidden states then come back packed, shaped (num_tokens, n_embd).
+            Training-only: it cannot be combined with a cache or an attention mask.
+        """
+        past_key_values = past_key_values if past_key_values is not None else cache
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("KnowGPTModel.forward needs exactly one of input_ids or inputs_embeds")
+        batch_size, seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training and token_index is None
+        if token_index is not None and (use_cache or past_key_values is not None or attention_mask is not None):
+            raise ValueError("token_index (packed training) cannot be combined with a cache or an attention_mask")
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if past_length + seq_len > self.config.block_size:
+            raise ValueError(
+                f"KnowGPT sees at most block_size={self.config.block_size} positions, got "
+                f"{past_length} cached + {seq_len} new"
+            )
+
+        context = self._attention_context(batch_size, seq_len, past_length, attention_mask, position_ids)
+        grid = TokenGrid(batch_size, seq_len, token_index)
+        if inputs_embeds is None:
+            inputs_embeds = self.tok_emb(grid.from_grid(input_ids))
+        else:
+            inputs_embeds = grid.from_grid(inputs_embeds)
+        hidden_states = inputs_embeds
+        if self.pos_emb is not None:
+            positions = context.query_positions.expand(batch_size, seq_len)
+            hidden_states = hidden_states + self.pos_emb(grid.from_grid(positions))
+        hidden_states = self.drop(hidden_states)
+
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        if self.config.attention_type == "perceiver":
+            hidden_states = self._perceiver_forward(hidden_states, grid, context, past_key_values, all_hidden_states)
+        else:
+            for block in self.blocks:
+                hidden_states = block(hidden_states, grid, context, past_key_values)
+                if output_hidden_states:
+                    all_hidden_states += (hidden_states,)
+        hidden_states = self.ln_f(hidden_states)
+        if output_hidden_states:
+            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
+
+        output = _with_cache(
+            BaseModelOutputWithPast,
+            past_key_values if use_cache else None,
+            last_hidden_state=hidden_states,
+            hidden_states=all_hidden_states,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+    def _attention_context(self, batch_size, seq_len, past_length, attention_mask, position_ids):
+        device = self.tok_emb.weight.device
+        if attention_mask is None:
+            key_positions = torch.arange(past_length + seq_len, device=device)[None]
+            query_positions = position_ids if position_ids is not None else key_positions[:, past_length:]
+            if past_length == 0:
+                key_positions = query_positions
+            return AttentionContext(query_positions, key_positions, None, causal_only=past_length == 0)
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch_size, past_length + seq_len):
+            raise ValueError(
+                "attention_mask must be 2-D (batch, cached + new positions) = "
+                f"{(batch_size, past_length + seq_len)}, got {tuple(attention_mask.shape)}"
+            )
+        key_valid = attention_mask.bool()
+        key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+        query_positions = position_ids if position_ids is not None else key_positions[:, past_length:]
+        return AttentionContext(query_positions, key_positions, key_valid, causal_only=False)
+
+    def _perceiver_forward(self, input_states, grid, context, cache, all_hidden_states):
+        """Down-project, run the latent blocks, up-project.
+
+        With a cache, only the down-projection's keys and values of the input are stored (layer 0): the
+        bottleneck is recomputed from them at each step, which keeps it exact under any padding.
+        """
+        down, up = self.down_block, self.up_block
+        input_key, input_value = down.attn.project_context(grid.to_grid(input_states))
+        if cache is not None:
+            input_key, input_value = cache.update(input_key, input_value, 0)
+        n_latents = self.config.bottleneck_dim
+        latent_positions = torch.arange(n_latents, device=input_states.device)[None]
+        latents = down(input_key, input_value, context.visibility(query_positions=latent_positions))
+        latent_context = AttentionContext(latent_positions, latent_positions, None, causal_only=True)
+        latent_grid = TokenGrid(latents.shape[0], n_latents)
+        if all_hidden_states is not None:
+            all_hidden_states += (latents,)
+        for block in self.blocks:
+            latents = block(latents, latent_grid, latent_context, None)
+            if all_hidden_states is not None:
+                all_hidden_states += (latents,)
+        query_visible = context.visibility(key_positions=latent_positions, key_valid=None)
+        hidden_states = up(input_states, latents, grid, query_visible)
+        if all_hidden_states is not None:
+            all_hidden_states += (hidden_states,)
+        return hidden_states
+
+
+class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
+    """KnowGPT with its language-model head; the loss follows transformers' convention (labels aligned
+    with input_ids, shifted inside, -100 ignored), which is the handouts' (x, y) loss exactly."""
+
+    _tied_weights_keys = {}
+
+    def __init__(self, config: KnowGPTConfig):
+        super().__init__(config)
+        self.transformer = KnowGPTModel(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.transformer.tok_emb
+
+    def set_input_embeddings(self, value):
+        self.transformer.tok_emb = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        token_index: torch.LongTensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        cache: Cache | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Targets aligned with `input_ids` (shifted inside the model); -100 is ignored.
+        token_index (`torch.LongTensor` of shape `(num_tokens,)`, *optional*):
+            See `KnowGPTModel.forward`: compute only these positions; logits come back packed, shaped
+            (num_tokens, vocab_size), and the loss is the same as the dense loss.
+        """
+        outputs = self.transformer(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values if past_key_values is not None else cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            token_index=token_index,
+        )
+        hidden_states = outputs.last_hidden_state
+        if token_index is None and logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        logits = self.lm_head(hidden_states)
+
+        loss = None
+        if labels is not None:
+            # Position t predicts labels[t + 1]; the last position has no target.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if token_index is not None:
+                targets = targets.reshape(-1).index_select(0, token_index)
+            elif logits_to_keep:
+                targets = targets[:, -logits_to_keep:]
+            loss = causal_lm_loss(logits, targets, num_items_in_batch)
+
+        output = _with_cache(
+            CausalLMOutputWithPast,
+            getattr(outputs, _CACHE_FIELD),
+            loss=loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+        )
+        return output if return_dict is not False else output.to_tuple()
+
+
+def causal_lm_loss(logits, targets, num_items_in_batch=None):
+    """Mean cross-entropy over targets that are not -100 (a sum over `num_items_in_batch` when given)."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    targets = targets.reshape(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, targets, ignore_index=-100)
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / num_items_in_batch
+
+
+__all__ = ["KnowGPTModel", "KnowGPTForCausalLM", "KnowGPTPreTrainedModel", "TokenGrid"]

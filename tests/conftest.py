@@ -1,0 +1,46 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+WIKI = DATA_DIR / "wiki.txt"
+TRAIN_TSV = DATA_DIR / "birth_places_train.tsv"
+DEV_TSV = DATA_DIR / "birth_dev.tsv"
+TEST_TSV = DATA_DIR / "birth_test_inputs.tsv"
+HAS_DATA = all(p.exists() for p in (WIKI, TRAIN_TSV, DEV_TSV, TEST_TSV))
+needs_data = pytest.mark.skipif(not HAS_DATA, reason=f"CS224N data not present in {DATA_DIR}")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ATTENTION_TYPES = ["vanilla", "rope", "synthesizer", "perceiver"]
+
+
+def tiny_config(attention_type="vanilla", **overrides):
+    from hf_knowgpt import KnowGPTConfig
+
+    values = dict(
+        vocab_size=23,
+        block_size=24,
+        n_layer=3,
+        n_head=2,
+        n_embd=16,
+        attention_type=attention_type,
+        bottleneck_dim=7,
+        unk_token_id=22,
+    )
+    values.update(overrides)
+    return KnowGPTConfig(**values)
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+    return torch.Generator().manual_seed(0)

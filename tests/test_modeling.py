@@ -1,0 +1,222 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ATTENTION_TYPES, REPO_ROOT, tiny_config
+from torch.nn import functional as F
+from transformers import AutoModel, AutoModelForCausalLM
+
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast
+
+VOCAB = 23
+
+
+def make_model(attention_type, **overrides):
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config(attention_type, **overrides)).eval()
+    with torch.no_grad():  # the handout init zeroes some tensors; perturb so every parameter matters
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
+def random_ids(batch, length, seed=1):
+    return torch.randint(2, VOCAB - 1, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_output_shapes(attention_type):
+    model = make_model(attention_type)
+    ids = random_ids(3, 11)
+    out = model(ids, output_hidden_states=True)
+    assert out.logits.shape == (3, 11, VOCAB)
+    assert out.hidden_states[-1].shape == (3, 11, 16)
+    base = model.transformer(ids)
+    assert base.last_hidden_state.shape == (3, 11, 16)
+    assert isinstance(model.transformer, KnowGPTModel)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_loss_equals_hand_computation_and_handout_xy_loss(attention_type):
+    model = make_model(attention_type)
+    sequence = random_ids(2, 12)
+    sequence[0, 9:] = 0  # right padding "□"
+    labels = sequence.masked_fill(sequence == 0, -100)
+    out = model(sequence, labels=labels)
+
+    log_probs = out.logits.log_softmax(-1)
+    terms = [-log_probs[b, t, labels[b, t + 1]] for b in range(2) for t in range(11) if labels[b, t + 1] != -100]
+    assert torch.allclose(out.loss, torch.stack(terms).mean(), atol=1e-6)
+
+    # The handouts' (x, y) = (s[:-1], s[1:]) with cross_entropy(ignore_index=pad) gives the same number.
+    x, y = sequence[:, :-1], sequence[:, 1:]
+    handout_loss = F.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=0)
+    assert torch.allclose(out.loss, handout_loss, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_save_load_round_trip_gives_identical_logits(attention_type, tmp_path):
+    model = make_model(attention_type)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, KnowGPTForCausalLM)
+    ids = random_ids(2, 9)
+    assert torch.equal(model(ids).logits, loaded(ids).logits)
+    backbone = AutoModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(backbone(ids).last_hidden_state, model.transformer(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_causality_later_tokens_never_change_earlier_logits(attention_type):
+    model = make_model(attention_type)
+    ids = random_ids(2, 15)
+    for changed in (0, 6, 7, 14):  # inside and beyond the perceiver's 7 latents
+        edited = ids.clone()
+        edited[:, changed] = (edited[:, changed] + 3) % (VOCAB - 2) + 2
+        before, after = model(ids).logits, model(edited).logits
+        assert torch.allclose(before[:, :changed], after[:, :changed], atol=1e-6)
+        assert not torch.allclose(before[:, changed], after[:, changed])
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_cache_and_no_cache_generate_the_same_tokens(attention_type):
+    model = make_model(attention_type)
+    prompt = random_ids(3, 5)
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    without_cache = model.generate(prompt, use_cache=False, **kwargs)
+    assert with_cache.shape == (3, 17)
+    assert torch.equal(with_cache, without_cache)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(attention_type):
+    model = make_model(attention_type)
+    prompts = [random_ids(1, n, seed=n)[0] for n in (3, 6, 9)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    batched = model.generate(ids, attention_mask=mask, **kwargs)
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], **kwargs)[0, len(prompt) :]
+        assert torch.equal(batched[row, width:], alone)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_logits_equal_unpadded_logits(attention_type, side):
+    model = make_model(attention_type)
+    short, long = random_ids(1, 5, seed=3)[0], random_ids(1, 9, seed=4)[0]
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    ids[1], mask[1] = long, 1
+    span = slice(4, 9) if side == "left" else slice(0, 5)
+    ids[0, span], mask[0, span] = short, 1
+    logits = model(ids, attention_mask=mask).logits
+    assert torch.allclose(logits[0, span], model(short[None]).logits[0], atol=1e-5)
+    assert torch.allclose(logits[1], model(long[None]).logits[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_packed_training_equals_dense_in_loss_and_gradients(attention_type):
+    lengths = [12, 7, 3]
+    ids = random_ids(3, 12)
+    labels = ids.clone()
+    for row, length in enumerate(lengths):
+        ids[row, length:] = 0
+        labels[row, length - 1 :] = -100  # the last real token predicts padding: not trained
+    token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate(lengths)])
+
+    results = []
+    for packed in (False, True):
+        model = make_model(attention_type)
+        out = model(ids, labels=labels, token_index=token_index if packed else None, use_cache=False)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        dense_logits = out.logits if not packed else None
+        results.append((out.loss.detach(), grads, dense_logits, out.logits))
+    (dense_loss, dense_grads, dense_logits, _), (packed_loss, packed_grads, _, packed_logits) = results
+    assert torch.allclose(dense_loss, packed_loss, atol=1e-6)
+    assert packed_logits.shape == (sum(lengths), VOCAB)
+    assert torch.allclose(dense_logits.reshape(-1, VOCAB)[token_index], packed_logits, atol=1e-5)
+    assert dense_grads.keys() == packed_grads.keys()
+    for name in dense_grads:
+        assert torch.allclose(dense_grads[name], packed_grads[name], atol=1e-6), name
+
+
+def test_packed_training_rejects_cache_and_mask():
+    model = make_model("vanilla")
+    ids = random_ids(1, 4)
+    with pytest.raises(ValueError, match="token_index"):
+        model(ids, token_index=torch.arange(4), attention_mask=torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_eager_and_sdpa_attention_agree(attention_type):
+    model = make_model(attention_type)
+    ids = random_ids(2, 10)
+    fused = model(ids).logits
+    model.set_attn_implementation("eager")
+    assert torch.allclose(fused, model(ids).logits, atol=1e-5)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        model.set_attn_implementation("flash_attention_2")
+
+
+def test_sequences_longer_than_block_size_are_rejected():
+    model = make_model("vanilla")
+    with pytest.raises(ValueError, match="block_size=24"):
+        model(random_ids(1, 25))
+
+
+def test_init_follows_the_handouts():
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config("synthesizer", n_embd=64, vocab_size=400))
+    assert model.transformer.pos_emb.weight.abs().max() == 0  # minGPT's pos_emb starts at zeros
+    assert abs(model.lm_head.weight.std().item() - 0.02) < 0.002 and model.lm_head.bias is None
+    assert abs(model.transformer.tok_emb.weight.std().item() - 0.02) < 0.002
+    attention = model.transformer.blocks[0].attn
+    assert attention.w2.abs().max() <= 0.001 and attention.b2.abs().max() == 0
+    assert model.transformer.blocks[0].ln1.weight.eq(1).all() and attention.proj.bias.eq(0).all()
+    perceiver = KnowGPTForCausalLM(tiny_config("perceiver", n_embd=64))
+    basis = perceiver.transformer.down_block.C
+    # Xavier-uniform as torch computes it for a (1, L, C) tensor: fan_in = L·C, fan_out = C
+    bound = (6 / (basis.shape[1] * basis.shape[2] + basis.shape[2])) ** 0.5
+    assert 0.5 * bound < basis.abs().max() <= bound
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_checkpoint_loads_with_trust_remote_code_without_the_package(attention_type, tmp_path):
+    model = make_model(attention_type)
+    tokenizer = KnowGPTTokenizerFast.from_corpus("abcdefghijklmnopqrst")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ids = random_ids(1, 6)
+    expected = model(ids).logits
+    torch.save({"ids": ids, "expected": expected}, tmp_path / "probe.pt")
+    script = f"""
+import sys, torch
+sys.path = [p for p in sys.path if p not in ("", {str(REPO_ROOT)!r})]
+from transformers import AutoModelForCausalLM, AutoModel, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+AutoModel.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
+assert "hf_knowgpt" not in sys.modules, "the package was imported"
+probe = torch.load({str(tmp_path / "probe.pt")!r})
+assert torch.equal(model(probe["ids"]).logits, probe["expected"])
+assert tokenizer.decode(tokenizer("abc")["input_ids"]) == "abc"
+print("remote-code-ok", type(model).__module__)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "remote-code-ok transformers_modules" in result.stdout
