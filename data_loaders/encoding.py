@@ -1,0 +1,108 @@
+"""Turning documents and birthplace questions into model inputs, and the `datasets` transforms built on it.
+
+Finetuning examples follow the handouts' NameDataset: the string `question⁇answer⁇` padded with "□"; the
+model is trained on everything after the question (the first ⁇, the answer, the closing ⁇), never on
+the question itself. Evaluation prompts are `question⁇`.
+"""
+
+import logging
+
+import torch
+
+from .span_corruption import MASK_ID, PAD_ID, pack_documents, span_corrupt
+
+logger = logging.getLogger(__name__)
+
+
+def encode_texts(tokenizer, texts: list[str], source: str = "input") -> list[list[int]]:
+    """Character ids of each text; characters outside the vocabulary become unk and are counted in a warning."""
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    unk_id = tokenizer.unk_token_id
+    unknown = sum(row.count(unk_id) for row in ids) if unk_id is not None else 0
+    if unknown:
+        logger.warning("%s: %d characters outside the vocabulary were mapped to the unknown id", source, unknown)
+    return ids
+
+
+def encode_documents(tokenizer, documents: list[str], block_size: int, source: str = "corpus"):
+    """Documents as the (N, ⌊7B/8⌋) id matrix and lengths that `span_corrupt` reads."""
+    return pack_documents(encode_texts(tokenizer, documents, source), block_size)
+
+
+def encode_birthplace_examples(tokenizer, questions, answers, block_size: int, source: str = "questions"):
+    """(input_ids, labels), each (N, block_size): `question⁇answer⁇□…`, labels -100 over the question and padding."""
+    mask_char = tokenizer.convert_ids_to_tokens(MASK_ID)
+    texts = [question + mask_char + answer + mask_char for question, answer in zip(questions, answers)]
+    ids = encode_texts(tokenizer, texts, source)
+    question_lengths = [len(q) for q in encode_texts(tokenizer, list(questions), source)] if ids else []
+    input_ids = torch.full((len(ids), block_size), PAD_ID, dtype=torch.long)
+    labels = torch.full((len(ids), block_size), -100, dtype=torch.long)
+    for row, (example, question_length) in enumerate(zip(ids, question_lengths)):
+        if len(example) > block_size:
+            raise ValueError(
+                f"{source}: {questions[row]!r} with its answer takes {len(example)} characters, "
+                f"more than block_size={block_size}"
+            )
+        input_ids[row, : len(example)] = torch.as_tensor(example)
+        labels[row, question_length : len(example)] = input_ids[row, question_length : len(example)]
+    return input_ids, labels
+
+
+def encode_questions(tokenizer, questions, block_size: int, max_new_tokens: int = 0, source: str = "questions"):
+    """Evaluation prompts `question⁇` as id lists; each must leave room for `max_new_tokens` in the block."""
+    mask_char = tokenizer.convert_ids_to_tokens(MASK_ID)
+    prompts = encode_texts(tokenizer, [question + mask_char for question in questions], source)
+    for question, prompt in zip(questions, prompts):
+        if len(prompt) >= block_size:
+            raise ValueError(
+                f"{source}: question {question!r} takes {len(prompt)} characters with its ⁇, "
+                f"block_size={block_size} leaves no room for an answer"
+            )
+    return prompts
+
+
+def handout_xy(input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The handouts' (x, y) for a (…, B) example: x = s[:-1], y = targets with "□" where nothing is trained."""
+    return input_ids[..., :-1], labels[..., 1:].masked_fill(labels[..., 1:] == -100, PAD_ID)
+
+
+def collate_handout_pairs(pairs):
+    """Collate the handouts' (x, y) pairs into `input_ids`/`labels` (-100) with exactly the same loss."""
+    x = torch.stack([pair[0] for pair in pairs])
+    y = torch.stack([pair[1] for pair in pairs])
+    input_ids = torch.cat([x, y[:, -1:]], dim=1)
+    labels = torch.cat([torch.full_like(y[:, :1], -100), y.masked_fill(y == PAD_ID, -100)], dim=1)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def span_corruption_transform(tokenizer, block_size: int, generator: torch.Generator | None = None):
+    """A `Dataset.with_transform` function: each access corrupts the `text` rows afresh (new spans every epoch)."""
+
+    def transform(batch):
+        documents, lengths = encode_documents(tokenizer, batch["text"], block_size)
+        corrupted = span_corrupt(documents, lengths, block_size, generator=generator)
+        return {"input_ids": corrupted.input_ids, "labels": corrupted.labels()}
+
+    return transform
+
+
+def birthplace_transform(tokenizer, block_size: int):
+    """A `Dataset.with_transform` function over `question`/`answer` rows: finetuning inputs and labels."""
+
+    def transform(batch):
+        input_ids, labels = encode_birthplace_examples(tokenizer, batch["question"], batch["answer"], block_size)
+        return {"input_ids": input_ids, "labels": labels}
+
+    return transform
+
+
+__all__ = [
+    "birthplace_transform",
+    "collate_handout_pairs",
+    "encode_birthplace_examples",
+    "encode_documents",
+    "encode_questions",
+    "encode_texts",
+    "handout_xy",
+    "span_corruption_transform",
+]

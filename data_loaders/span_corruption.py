@@ -1,0 +1,105 @@
+"""Span corruption, the handouts' pretraining objective, vectorized over a batch of documents.
+
+For a document d and block size B:
+  1. truncate d to a random length L drawn uniformly from 4..⌊7B/8⌋ (a shorter document stays whole);
+  2. cut the truncated text into prefix + masked + suffix; the masked length is 1 + ⌊u·(L/2 − 1)⌋,
+     which averages L/4 and ranges from 1 to about L/2, and the prefix length is uniform over the rest;
+  3. write `prefix ⁇ suffix ⁇ masked` and pad with "□" to B characters;
+  4. the model reads the string and predicts it shifted by one; pad targets are not trained.
+
+This is the only implementation in the project: the CS224N drop-in dataset, the 🤗 datasets transform and
+the GPU training loop all call `span_corrupt`. It works on CPU or CUDA tensors and draws all randomness
+from one `torch.Generator` (three uniforms per document, in document order), so a batch of n documents
+gives the same examples as n single-document calls from the same generator state.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_ID = 0  # "□" in every KnowGPT vocabulary
+MASK_ID = 1  # "⁇"
+MIN_DOCUMENT_LENGTH = 4
+
+
+def max_truncation_length(block_size: int) -> int:
+    return (7 * block_size) // 8
+
+
+@dataclass
+class CorruptedBatch:
+    input_ids: torch.LongTensor  # (N, block_size): prefix ⁇ suffix ⁇ masked □□…
+    lengths: torch.LongTensor  # (N,): characters before the padding (L + 2)
+
+    def labels(self) -> torch.LongTensor:
+        """transformers-style labels: the string itself, -100 over the padding (never trained)."""
+        positions = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return self.input_ids.masked_fill(positions[None] >= self.lengths[:, None], -100)
+
+    def handout_xy(self) -> tuple[torch.LongTensor, torch.LongTensor]:
+        """The handouts' (x, y): x = s[:-1], y = s[1:], pad targets left as pad (their loss ignores id 0)."""
+        return self.input_ids[:, :-1], self.input_ids[:, 1:]
+
+
+def pack_documents(token_ids: list[list[int]], block_size: int) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Right-pad tokenized documents into an (N, ⌊7B/8⌋) matrix: no more of a document is ever read."""
+    width = max_truncation_length(block_size)
+    documents = torch.full((len(token_ids), width), PAD_ID, dtype=torch.long)
+    lengths = torch.zeros(len(token_ids), dtype=torch.long)
+    for row, ids in enumerate(token_ids):
+        ids = ids[:width]
+        documents[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        lengths[row] = len(ids)
+    return documents, lengths
+
+
+def span_corrupt(
+    documents: torch.Tensor,
+    lengths: torch.Tensor,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    mask_id: int = MASK_ID,
+    pad_id: int = PAD_ID,
+) -> CorruptedBatch:
+    """Corrupt each row of `documents` (N, W ≥ ⌊7B/8⌋ or the longest length) into one training string."""
+    n_docs, width = documents.shape
+    device = documents.device
+    max_length = max_truncation_length(block_size)
+    if n_docs == 0:
+        return CorruptedBatch(documents.new_empty((0, block_size)), lengths.new_empty(0))
+
+    uniforms = torch.rand(n_docs, 3, generator=generator, device=device, dtype=torch.float64)
+    lengths = lengths.to(device=device, dtype=torch.long)
+    drawn = MIN_DOCUMENT_LENGTH + (uniforms[:, 0] * (max_length - MIN_DOCUMENT_LENGTH + 1)).long()
+    truncated = torch.minimum(lengths, drawn.clamp(max=max_length))
+    masked = 1 + (uniforms[:, 1] * (truncated.double() / 2 - 1).clamp(min=0)).long()
+    masked = torch.minimum(masked, truncated.clamp(min=1))
+    prefix = (uniforms[:, 2] * (truncated - masked + 1).double()).long()
+    suffix = truncated - prefix - masked
+
+    position = torch.arange(block_size, device=device)[None]
+    prefix, masked, truncated, suffix = prefix[:, None], masked[:, None], truncated[:, None], suffix[:, None]
+    first_mask = prefix
+    second_mask = prefix + suffix + 1
+    end = truncated + 2
+    # Where each output character comes from in the document: prefix, then suffix, then the masked span.
+    source = torch.where(
+        position < first_mask,
+        position,
+        torch.where(position < second_mask, position - 1 + masked, prefix + position - second_mask - 1),
+    )
+    corrupted = documents.gather(1, source.clamp(0, width - 1)).to(torch.long)
+    corrupted = torch.where((position == first_mask) | (position == second_mask), mask_id, corrupted)
+    corrupted = torch.where(position >= end, pad_id, corrupted)
+    return CorruptedBatch(corrupted, end[:, 0])
+
+
+__all__ = [
+    "CorruptedBatch",
+    "MASK_ID",
+    "MIN_DOCUMENT_LENGTH",
+    "PAD_ID",
+    "max_truncation_length",
+    "pack_documents",
+    "span_corrupt",
+]
