@@ -53,6 +53,24 @@ def pack_documents(token_ids: list[list[int]], block_size: int) -> tuple[torch.L
     return documents, lengths
 
 
+def draw_uniforms(n_docs: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """The three uniforms per document that decide its corruption (drawn where the generator lives)."""
+    device = generator.device if generator is not None else device
+    return torch.rand(n_docs, 3, generator=generator, device=device, dtype=torch.float64)
+
+
+def corruption_plan(lengths: torch.Tensor, uniforms: torch.Tensor, block_size: int):
+    """(truncated, masked, prefix) lengths per document; the example then holds truncated + 2 characters."""
+    max_length = max_truncation_length(block_size)
+    lengths = lengths.to(device=uniforms.device, dtype=torch.long)
+    drawn = MIN_DOCUMENT_LENGTH + (uniforms[:, 0] * (max_length - MIN_DOCUMENT_LENGTH + 1)).long()
+    truncated = torch.minimum(lengths, drawn.clamp(max=max_length))
+    masked = 1 + (uniforms[:, 1] * (truncated.double() / 2 - 1).clamp(min=0)).long()
+    masked = torch.minimum(masked, truncated.clamp(min=1))
+    prefix = (uniforms[:, 2] * (truncated - masked + 1).double()).long()
+    return truncated, masked, prefix
+
+
 def span_corrupt(
     documents: torch.Tensor,
     lengths: torch.Tensor,
@@ -60,21 +78,19 @@ def span_corrupt(
     generator: torch.Generator | None = None,
     mask_id: int = MASK_ID,
     pad_id: int = PAD_ID,
+    uniforms: torch.Tensor | None = None,
 ) -> CorruptedBatch:
-    """Corrupt each row of `documents` (N, W ≥ ⌊7B/8⌋ or the longest length) into one training string."""
+    """Corrupt each row of `documents` (N, W ≥ ⌊7B/8⌋ or the longest length) into one training string.
+
+    The randomness is `uniforms` when given (see `draw_uniforms`), else drawn from `generator`.
+    """
     n_docs, width = documents.shape
     device = documents.device
-    max_length = max_truncation_length(block_size)
     if n_docs == 0:
         return CorruptedBatch(documents.new_empty((0, block_size)), lengths.new_empty(0))
-
-    uniforms = torch.rand(n_docs, 3, generator=generator, device=device, dtype=torch.float64)
-    lengths = lengths.to(device=device, dtype=torch.long)
-    drawn = MIN_DOCUMENT_LENGTH + (uniforms[:, 0] * (max_length - MIN_DOCUMENT_LENGTH + 1)).long()
-    truncated = torch.minimum(lengths, drawn.clamp(max=max_length))
-    masked = 1 + (uniforms[:, 1] * (truncated.double() / 2 - 1).clamp(min=0)).long()
-    masked = torch.minimum(masked, truncated.clamp(min=1))
-    prefix = (uniforms[:, 2] * (truncated - masked + 1).double()).long()
+    if uniforms is None:
+        uniforms = draw_uniforms(n_docs, generator, device)
+    truncated, masked, prefix = corruption_plan(lengths, uniforms.to(device, non_blocking=True), block_size)
     suffix = truncated - prefix - masked
 
     position = torch.arange(block_size, device=device)[None]
@@ -99,6 +115,8 @@ __all__ = [
     "MASK_ID",
     "MIN_DOCUMENT_LENGTH",
     "PAD_ID",
+    "corruption_plan",
+    "draw_uniforms",
     "max_truncation_length",
     "pack_documents",
     "span_corrupt",

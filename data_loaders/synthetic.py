@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 DEFAULT_NUM_PEOPLE = 600
 
 REGIONS = {
@@ -154,17 +154,17 @@ WORKS = ["stage designs", "early radio plays", "bridge designs", "folk recording
 # {w} work.
 TEMPLATES_WITH_PLACE = [
     "{n} (born {y} in {p}) is {j}.",
-    "{n} was {j} born in {p} in {y}.",
-    "Born in {p} in {y}, {n} worked as {j}.",
+    "{n} was {j} born in {p}.",
+    "Born in {p}, {n} was {j}.",
     "{n} ({y}–{z}) was {j} from {p}.",
-    "{n} is {j} who was born in {p} and lives in {o}.",
-    "The {jb} {n} was born in {p} and died in {o} in {z}.",
-    "{n}, {j} born in {p}, won the {a} in {z}.",
-    "{n} (born in {p}) is {j} known for {w}.",
+    "{n} was born in {p} and lives in {o}.",
+    "The {jb} {n} was born in {p}.",
+    "{n}, {j} born in {p}, won the {a}.",
+    "{n} is {j}; born in {p} in {y}.",
 ]
 TEMPLATES_WITHOUT_PLACE = [
     "{n} ({y}) is {j} known for {w}.",
-    "{n} was {j} who won the {a} in {z}.",
+    "{n} was {j} who won the {a}.",
 ]
 SHARE_WITHOUT_PLACE = 0.05
 SHARE_OTHER_STYLE = 0.15  # names that do not match the region people were born in

@@ -6,9 +6,11 @@ the package.
 """
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+from transformers.pipelines import PIPELINE_REGISTRY
 
 from .configuration_knowgpt import ATTENTION_TYPES, KnowGPTConfig
 from .modeling_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTPreTrainedModel
+from .pipeline_birthplace_qa import BirthplaceQAPipeline
 from .tokenization_knowgpt import MASK_CHAR, PAD_CHAR, UNK_CHAR, KnowGPTTokenizerFast
 
 __version__ = "0.1.0"
@@ -24,8 +26,14 @@ KnowGPTModel.register_for_auto_class("AutoModel")
 KnowGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 KnowGPTTokenizerFast.register_for_auto_class("AutoTokenizer")
 
+if "birthplace-qa" not in PIPELINE_REGISTRY.get_supported_tasks():
+    PIPELINE_REGISTRY.register_pipeline(
+        "birthplace-qa", pipeline_class=BirthplaceQAPipeline, pt_model=AutoModelForCausalLM, type="text"
+    )
+
 __all__ = [
     "ATTENTION_TYPES",
+    "BirthplaceQAPipeline",
     "KnowGPTConfig",
     "KnowGPTModel",
     "KnowGPTForCausalLM",

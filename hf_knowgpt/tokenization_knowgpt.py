@@ -21,10 +21,11 @@ class KnowGPTTokenizerFast(PreTrainedTokenizerFast):
     padding_side = "right"
 
     @classmethod
-    def from_corpus(cls, text: str, **kwargs) -> "KnowGPTTokenizerFast":
+    def from_corpus(cls, text: str, extra_characters: str = "", **kwargs) -> "KnowGPTTokenizerFast":
+        """The handouts' vocabulary for `text` (plus any `extra_characters` it lacks), then the unknown id."""
         if not text:
             raise ValueError("KnowGPTTokenizerFast.from_corpus needs a non-empty corpus")
-        characters = sorted(set(text) - {PAD_CHAR, MASK_CHAR})
+        characters = sorted((set(text) | set(extra_characters)) - {PAD_CHAR, MASK_CHAR})
         unk_token = UNK_CHAR if UNK_CHAR not in characters else "<unk>"
         vocabulary = {token: i for i, token in enumerate([PAD_CHAR, MASK_CHAR, *characters, unk_token])}
         backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token=unk_token))

@@ -1,0 +1,246 @@
+"""How one optimizer step runs: three implementations of the same step, chosen by `training_path`.
+
+- `plain`: the handouts' way, kept as the baseline: a DataLoader corrupts one document per `__getitem__`,
+  the model runs over every padded position with unfused attention.
+- `eager`: batches are built on the device (the whole batch corrupted at once), only real positions are
+  computed (`token_index`), attention goes through `scaled_dot_product_attention`; works with any
+  number of processes (DDP through accelerate).
+- `graphed` (one CUDA device): the entire step — batch indices from a step counter on the device, span
+  corruption, forward, backward, gradient clipping, the learning rate of this step and fused AdamW — is
+  captured once as a CUDA graph and replayed, so the host launches one graph per step and never waits
+  for the device. Shapes must be static, so it computes every position up to the longest possible
+  example (⌊7B/8⌋ + 2 for pretraining) instead of packing.
+
+All three see the same examples per step (file order, same batch boundaries, the last batch of an epoch
+smaller), normalize the loss by the number of trained targets and follow the same per-step learning rates.
+"""
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data_loaders.encoding import collate_handout_pairs
+
+TRAINING_PATHS = ("auto", "graphed", "eager", "plain")
+
+
+def resolve_training_path(requested: str, device: torch.device, num_processes: int) -> str:
+    if requested not in TRAINING_PATHS:
+        raise ValueError(f"training_path must be one of {list(TRAINING_PATHS)}, got {requested!r}")
+    if requested == "graphed" and (device.type != "cuda" or num_processes != 1):
+        raise ValueError("training_path 'graphed' needs exactly one CUDA device; use 'eager' elsewhere")
+    if requested == "auto":
+        return "graphed" if device.type == "cuda" and num_processes == 1 else "eager"
+    return requested
+
+
+class EagerStepper:
+    """Host-driven steps on device-built batches; DDP-safe through accelerate."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.generator = torch.Generator()  # host generator: corruption uniforms
+        self.loss_sum = torch.zeros((), device=trainer.accelerator.device)
+        self.loss_count = 0
+
+    def run(self, first_step: int, count: int, should_stop) -> int:
+        trainer, args = self.trainer, self.trainer.args
+        accelerator = trainer.accelerator
+        rank, world = accelerator.process_index, accelerator.num_processes
+        done = 0
+        for global_step in range(first_step, first_step + count):
+            indices = trainer.batch_indices(global_step)
+            self.generator.manual_seed(args.seed * 1_000_003 + global_step)
+            batch = trainer.data.batch(indices, self.generator)
+            self.loss_sum += trainer.optimizer_step(batch, rank, world)
+            self.loss_count += 1
+            done += 1
+            if should_stop():
+                break
+        return done
+
+    def take_loss(self):
+        mean = self.loss_sum / max(self.loss_count, 1)
+        self.loss_sum = torch.zeros_like(self.loss_sum)
+        self.loss_count = 0
+        return mean
+
+
+class _OneExampleAtATime(Dataset):
+    """The handouts' data path: `__getitem__` corrupts (or fetches) one example, a DataLoader collates."""
+
+    def __init__(self, data, generator_seed: int):
+        self.data = data
+        self.generator = torch.Generator().manual_seed(generator_seed)
+
+    def __len__(self):
+        return self.data.num_examples
+
+    def __getitem__(self, index):
+        batch = self.data.batch(torch.tensor([index]), self.generator)
+        return batch.input_ids[0, :-1], batch.labels[0, 1:].masked_fill(batch.labels[0, 1:] == -100, 0)
+
+
+class PlainStepper(EagerStepper):
+    """The handouts' way: per-example corruption through a DataLoader, every position computed, unfused
+    attention; the step itself (loss normalization, clipping, AdamW, learning rate) is the shared one."""
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        trainer.data.to(torch.device("cpu"))  # examples are made on the host, as there
+        self.loader = DataLoader(
+            _OneExampleAtATime(trainer.data, trainer.args.seed),
+            batch_size=trainer.args.batch_size,
+            shuffle=False,
+            num_workers=0,
+            collate_fn=collate_handout_pairs,
+        )
+        self.iterator = None
+
+    def run(self, first_step: int, count: int, should_stop) -> int:
+        trainer = self.trainer
+        device = trainer.accelerator.device
+        done = 0
+        for _ in range(count):
+            if self.iterator is None:
+                self.iterator = iter(self.loader)
+            try:
+                collated = next(self.iterator)
+            except StopIteration:
+                self.iterator = iter(self.loader)
+                collated = next(self.iterator)
+            input_ids, labels = collated["input_ids"].to(device), collated["labels"].to(device)
+            lengths = torch.full((input_ids.shape[0],), input_ids.shape[1])
+            trained = (collated["labels"][:, 1:] != -100).sum(1)
+            batch = trainer.batch_type(input_ids, labels, lengths, trained)
+            self.loss_sum += trainer.optimizer_step(
+                batch, trainer.accelerator.process_index, trainer.accelerator.num_processes, packed=False
+            )
+            self.loss_count += 1
+            done += 1
+            if should_stop():
+                break
+        return done
+
+
+class GraphedStepper:
+    """The whole optimizer step as one CUDA graph, replayed once per step.
+
+    Inputs live on the device: the step counter, the learning rates of all steps, the corpus. Randomness
+    (corruption spans, dropout) comes from the default CUDA generator, which graphs advance at each replay.
+    Capturing needs a few warm-up steps; the model and optimizer are restored afterwards, so the run starts
+    from exactly the state it had.
+    """
+
+    WARMUP_STEPS = 3
+
+    def __init__(self, trainer, compile_model: bool = False):
+        self.trainer = trainer
+        args, accelerator = trainer.args, trainer.accelerator
+        device = accelerator.device
+        self.device = device
+        model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
+        self.model = torch.compile(model) if compile_model else model
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+        self.learning_rates = torch.tensor(
+            [args.learning_rate * m for m in trainer.lr_multipliers], device=device, dtype=torch.float32
+        )
+        self.learning_rate = self.optimizer.param_groups[0]["lr"]
+        if not torch.is_tensor(self.learning_rate):
+            raise ValueError("the graphed path needs an optimizer whose learning rate is a device tensor")
+        self.step_counter = torch.zeros((), dtype=torch.long, device=device)
+        self.loss_sum = torch.zeros((), device=device)
+        self.loss_count = 0
+        data = trainer.data
+        self.num_examples = data.num_examples
+        self.batch_size = args.batch_size
+        self.steps_per_epoch = trainer.steps_per_epoch
+        self.seq_len = data.static_length
+        self.orders = trainer.device_orders()  # (epochs, N) when shuffling, else None
+        self.graph = None
+
+    # The body that is captured: everything one step does, with no host synchronization.
+    def _body(self):
+        trainer, args = self.trainer, self.trainer.args
+        step = self.step_counter
+        epoch, offset = step // self.steps_per_epoch, step % self.steps_per_epoch
+        positions = offset * self.batch_size + torch.arange(self.batch_size, device=self.device)
+        valid = positions < self.num_examples
+        positions = positions.clamp(max=self.num_examples - 1)
+        indices = (
+            positions if self.orders is None else self.orders[epoch.clamp(max=self.orders.shape[0] - 1), positions]
+        )
+        input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len)
+        trained_targets = (labels[:, 1:] != -100).sum()
+        with torch.autocast(
+            self.device.type,
+            dtype=self.autocast_dtype or torch.float32,
+            enabled=self.autocast_dtype is not None,
+            cache_enabled=False,
+        ):
+            loss = self.model(
+                input_ids=input_ids, labels=labels, num_items_in_batch=trained_targets, use_cache=False
+            ).loss
+        loss.backward()
+        if args.grad_norm_clip:
+            torch.nn.utils.clip_grad_norm_(self.parameters, args.grad_norm_clip, foreach=True)
+        self.learning_rate.copy_(self.learning_rates[step.clamp(max=len(self.learning_rates) - 1)])
+        self.optimizer.step()
+        self.loss_sum.add_(loss.detach())
+        self.step_counter.add_(1)
+
+    def _snapshot(self):
+        state = [p.detach().clone() for p in self.parameters]
+        optimizer_state = {
+            id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in self.optimizer.state[p].items()}
+            for p in self.parameters
+            if p in self.optimizer.state
+        }
+        return state, optimizer_state
+
+    def _restore(self, snapshot):
+        state, optimizer_state = snapshot
+        with torch.no_grad():
+            for parameter, saved in zip(self.parameters, state):
+                parameter.copy_(saved)
+            for parameter in self.parameters:
+                for key, value in self.optimizer.state[parameter].items():
+                    saved = optimizer_state.get(id(parameter), {}).get(key)
+                    if torch.is_tensor(value):
+                        value.copy_(saved) if saved is not None else value.zero_()
+
+    def capture(self, first_step: int):
+        snapshot = self._snapshot()
+        side_stream = torch.cuda.Stream()
+        side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_stream):
+            for _ in range(self.WARMUP_STEPS):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._body()
+        torch.cuda.current_stream().wait_stream(side_stream)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._body()
+        self._restore(snapshot)
+        self.step_counter.fill_(first_step)
+        self.loss_sum.zero_()
+        torch.cuda.synchronize()
+
+    def run(self, first_step: int, count: int, should_stop) -> int:
+        if self.graph is None:
+            self.capture(first_step)
+        for _ in range(count):
+            self.graph.replay()
+        self.loss_count += count
+        return count
+
+    def take_loss(self):
+        mean = self.loss_sum / max(self.loss_count, 1)
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        return mean
+
+
+__all__ = ["EagerStepper", "GraphedStepper", "PlainStepper", "TRAINING_PATHS", "resolve_training_path"]

@@ -1,0 +1,123 @@
+"""Answering "Where was X born?": batched greedy decoding with the KV cache, answer scores, scoring.
+
+A prediction is what the model writes after `question⁇`, up to the next ⁇ (at most 32 characters), as
+the handouts' `evaluate` computes it. Its score is the model's probability of the whole answer including
+the closing ⁇: the product of the greedy characters' softmax probabilities.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from data_loaders.encoding import encode_questions
+from data_loaders.span_corruption import MASK_ID, PAD_ID
+
+HANDOUT_MAX_NEW_TOKENS = 32
+QUESTION_TEMPLATE = "Where was {} born?"
+
+
+def as_question(text: str) -> str:
+    """A bare name ("Khatchig Mouradian") becomes the question; a question stays as it is."""
+    text = text.strip()
+    if re.match(r"^Where was .+ born\?$", text):
+        return text
+    return QUESTION_TEMPLATE.format(text)
+
+
+@dataclass
+class Prediction:
+    question: str
+    answer: str  # the text up to the closing ⁇ (or all generated text when none came)
+    log_probability: float  # of the answer's characters and its closing ⁇
+    closed: bool  # whether the model wrote the closing ⁇
+
+    @property
+    def score(self) -> float:
+        return math.exp(self.log_probability)
+
+
+@torch.no_grad()
+def predict_birthplaces(
+    model,
+    tokenizer,
+    questions: list[str],
+    batch_size: int = 512,
+    max_new_tokens: int = HANDOUT_MAX_NEW_TOKENS,
+) -> list[Prediction]:
+    """Greedy answers for `questions` in input order, decoded in left-padded batches with the KV cache."""
+    block_size = model.config.block_size
+    prompts = encode_questions(tokenizer, questions, block_size)
+    predictions = []
+    device = model.device
+    was_training = model.training
+    model.eval()
+    suppressed = list(getattr(model.generation_config, "suppress_tokens", None) or [])
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        new_tokens = max(1, min(max_new_tokens, block_size - width))
+        input_ids = torch.full((len(chunk), width), PAD_ID, dtype=torch.long)
+        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, prompt in enumerate(chunk):
+            input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
+        output = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=MASK_ID,
+            pad_token_id=PAD_ID,
+            suppress_tokens=suppressed or None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        generated = output.sequences[:, width:].cpu()
+        log_probs = torch.stack(output.logits, dim=1).float().log_softmax(-1).cpu()
+        token_log_probs = log_probs.gather(-1, generated[..., None])[..., 0]
+        for row, question in enumerate(questions[start : start + batch_size]):
+            ids = generated[row].tolist()
+            closed = MASK_ID in ids
+            end = ids.index(MASK_ID) if closed else len(ids)
+            answer = tokenizer.decode(ids[:end])
+            scored = end + 1 if closed else end
+            predictions.append(Prediction(question, answer, float(token_log_probs[row, :scored].sum()), closed))
+    model.train(was_training)
+    return predictions
+
+
+def handout_accuracy(gold_places: list[str], predicted_places: list[str]) -> tuple[int, int]:
+    """(correct, total) as the handouts' `evaluate_places` counts: exact string equality, in order."""
+    if len(gold_places) != len(predicted_places):
+        raise ValueError(f"{len(predicted_places)} predictions for {len(gold_places)} gold places")
+    return sum(g == p for g, p in zip(gold_places, predicted_places)), len(gold_places)
+
+
+def metric_path() -> str:
+    """The shipped `evaluate` metric module: `evaluate.load(hf_knowgpt.qa.metric_path())` works offline."""
+    return str(Path(__file__).parent / "metrics" / "birthplace_accuracy" / "birthplace_accuracy.py")
+
+
+def load_metric():
+    import evaluate
+
+    return evaluate.load(metric_path())
+
+
+def format_accuracy(correct: int, total: int) -> str:
+    return f"Correct: {correct} out of {total}: {100.0 * correct / total}%"
+
+
+__all__ = [
+    "HANDOUT_MAX_NEW_TOKENS",
+    "Prediction",
+    "as_question",
+    "format_accuracy",
+    "handout_accuracy",
+    "load_metric",
+    "metric_path",
+    "predict_birthplaces",
+]

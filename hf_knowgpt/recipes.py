@@ -1,0 +1,59 @@
+"""Named presets of model size and training hyperparameters, selected with `--recipe` in the scripts.
+
+Every value can still be overridden by its own flag. `final_tokens` is written as a number of epochs of
+the *pretraining* corpus, as the handouts write it (`final_tokens = k · len(pretraining corpus) · block`).
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StageRecipe:
+    max_epochs: int
+    batch_size: int
+    learning_rate: float
+    final_tokens_epochs: int  # final_tokens = this · len(pretraining corpus) · block_size
+    extra: dict = field(default_factory=dict)  # further TrainingArguments fields
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    model: dict
+    pretrain: StageRecipe
+    finetune_pretrained: StageRecipe
+    finetune_scratch: StageRecipe
+
+
+HANDOUT = Recipe(
+    name="handout",
+    description="The CS224N handouts' recipe, exactly as their trainer runs it.",
+    model=dict(n_layer=4, n_head=8, n_embd=256, block_size=128),
+    pretrain=StageRecipe(max_epochs=650, batch_size=128, learning_rate=6e-3, final_tokens_epochs=650),
+    finetune_pretrained=StageRecipe(max_epochs=10, batch_size=256, learning_rate=6e-4, final_tokens_epochs=200),
+    finetune_scratch=StageRecipe(max_epochs=75, batch_size=256, learning_rate=6e-4, final_tokens_epochs=200),
+)
+
+QUICKSTART = Recipe(
+    name="quickstart",
+    description=(
+        "A CPU-sized run for the README's main job on the synthetic corpus: width 128, 4 heads, and fewer "
+        "epochs, so pretrain → finetune → evaluate fits in a few minutes on two cores."
+    ),
+    model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0),
+    pretrain=StageRecipe(max_epochs=200, batch_size=16, learning_rate=3e-3, final_tokens_epochs=200),
+    finetune_pretrained=StageRecipe(max_epochs=10, batch_size=16, learning_rate=6e-4, final_tokens_epochs=200),
+    finetune_scratch=StageRecipe(max_epochs=30, batch_size=16, learning_rate=6e-4, final_tokens_epochs=200),
+)
+
+RECIPES = {recipe.name: recipe for recipe in (HANDOUT, QUICKSTART)}
+
+
+def get_recipe(name: str) -> Recipe:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    return RECIPES[name]
+
+
+__all__ = ["HANDOUT", "QUICKSTART", "RECIPES", "Recipe", "StageRecipe", "get_recipe"]

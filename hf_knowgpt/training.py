@@ -1,0 +1,606 @@
+"""Training KnowGPT exactly as the handouts' trainer does, through accelerate.
+
+What the handout trainer does, and this loop reproduces (`../shared/notes/REPRODUCING.md` explains why
+each detail decides whether the model memorizes the corpus):
+- batches in file order, the same batches every epoch (its DataLoader does not shuffle);
+- AdamW, betas (0.9, 0.95), weight decay on every parameter whose name lacks "bias" (its no-decay list
+  also names "LayerNorm.weight", which matches nothing in minGPT, so embeddings and LayerNorm weights
+  decay too), gradient norm clipped to 1.0;
+- the learning rate set after each step from the tokens seen so far, counting every target position
+  (127 per example): linear warmup over 512·20 tokens, then a cosine to 10% of the peak at
+  `final_tokens`; the first step runs at the full rate.
+
+Batches are built on the training device: a whole batch of documents is span-corrupted at once from a
+generator seeded by (seed, step), so a run is reproducible, a resumed run continues exactly, and every
+process of a multi-process run corrupts the same global batch and trains on its own slice. Examples
+fill about half of their block, so by default only real positions are computed (`token_index`); the loss
+is normalized by the global number of trained targets, so the gradient equals the single-process one.
+"""
+
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+
+from data_loaders.span_corruption import corruption_plan, draw_uniforms, max_truncation_length, span_corrupt
+
+logger = logging.getLogger(__name__)
+
+HANDOUT_WARMUP_TOKENS = 512 * 20
+CHECKPOINT_PREFIX = "checkpoint-"
+STAGING_PREFIX = ".staging-"
+TRAINER_STATE = "trainer_state.json"
+ACCELERATE_STATE = "accelerate_state"
+
+
+def handout_lr_multiplier(tokens: float, warmup_tokens: float, final_tokens: float) -> float:
+    """minGPT's schedule: linear warmup, then cosine decay with a floor at 10% of the peak."""
+    if tokens < warmup_tokens:
+        return tokens / max(1.0, warmup_tokens)
+    progress = (tokens - warmup_tokens) / max(1.0, final_tokens - warmup_tokens)
+    return max(0.1, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def rows_per_step(num_examples: int, batch_size: int, epochs: int) -> list[int]:
+    """Examples in each optimizer step: full batches, then the remainder (no drop_last), every epoch."""
+    per_epoch = [batch_size] * (num_examples // batch_size)
+    if num_examples % batch_size:
+        per_epoch.append(num_examples % batch_size)
+    return per_epoch * epochs
+
+
+def handout_lr_multipliers(steps_rows, positions_per_example, warmup_tokens, final_tokens) -> list[float]:
+    """The multiplier in force at each step: the handout updates the rate *after* a step, so step 0 runs at 1."""
+    multipliers, tokens = [1.0], 0
+    for rows in steps_rows[:-1]:
+        tokens += rows * positions_per_example
+        multipliers.append(handout_lr_multiplier(tokens, warmup_tokens, final_tokens))
+    return multipliers
+
+
+def handout_parameter_groups(model: torch.nn.Module, weight_decay: float):
+    """Decay every parameter except biases, as the handout trainer's name filter ends up doing."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            (no_decay if "bias" in name else decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class TrainingBatch:
+    input_ids: torch.Tensor  # (R, T)
+    labels: torch.Tensor  # (R, T), -100 where nothing is trained
+    lengths: torch.Tensor  # (R,) real characters of each row (the rest is right padding), on the host
+    trained_targets: torch.Tensor  # (R,) targets each row trains (labels[1:] != -100), on the host
+
+
+class PretrainingData:
+    """Span-corrupted documents, generated a batch at a time on the data's device."""
+
+    def __init__(self, documents: torch.Tensor, lengths: torch.Tensor, block_size: int):
+        self.documents, self.lengths, self.block_size = documents, lengths, block_size
+        self.host_lengths = lengths.cpu()
+
+    @property
+    def num_examples(self) -> int:
+        return self.documents.shape[0]
+
+    @property
+    def static_length(self) -> int:
+        """The longest example there can be: ⌊7B/8⌋ + 2 characters (the rest of the block is always padding)."""
+        return min(self.block_size, max_truncation_length(self.block_size) + 2)
+
+    def to(self, device):
+        self.documents, self.lengths = self.documents.to(device), self.lengths.to(device)
+        return self
+
+    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int):
+        """(input_ids, labels) built entirely on the device (its default generator), for captured steps."""
+        corrupted = span_corrupt(self.documents[indices], self.lengths[indices], self.block_size)
+        labels = corrupted.labels()[:, :seq_len].masked_fill(~valid[:, None], -100)
+        return corrupted.input_ids[:, :seq_len], labels
+
+    def batch(self, indices: torch.Tensor, generator: torch.Generator) -> TrainingBatch:
+        # The uniforms are drawn on the host, so the example lengths are known without waiting for the device.
+        uniforms = draw_uniforms(len(indices), generator)
+        truncated, _, _ = corruption_plan(self.host_lengths[indices], uniforms, self.block_size)
+        device_indices = indices.to(self.documents.device)
+        corrupted = span_corrupt(
+            self.documents[device_indices], self.lengths[device_indices], self.block_size, uniforms=uniforms
+        )
+        lengths = truncated + 2
+        return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, lengths - 1)
+
+
+class FinetuningData:
+    """Fixed `question⁇answer⁇` examples (see `data_loaders.encode_birthplace_examples`)."""
+
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        self.input_ids, self.labels = input_ids, labels
+        trained = labels.cpu() != -100
+        last_trained = torch.where(trained, torch.arange(labels.shape[1]), -1).max(dim=1).values
+        self.host_lengths = last_trained + 1
+        self.host_trained_targets = trained[:, 1:].sum(dim=1)
+
+    @property
+    def num_examples(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def static_length(self) -> int:
+        return int(self.host_lengths.max())
+
+    def to(self, device):
+        self.input_ids, self.labels = self.input_ids.to(device), self.labels.to(device)
+        return self
+
+    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int):
+        labels = self.labels[indices, :seq_len].masked_fill(~valid[:, None], -100)
+        return self.input_ids[indices, :seq_len], labels
+
+    def batch(self, indices: torch.Tensor, generator: torch.Generator) -> TrainingBatch:
+        device_indices = indices.to(self.input_ids.device)
+        return TrainingBatch(
+            self.input_ids[device_indices],
+            self.labels[device_indices],
+            self.host_lengths[indices],
+            self.host_trained_targets[indices],
+        )
+
+
+def packed_token_index(lengths: torch.Tensor, seq_len: int, multiple: int = 1) -> torch.Tensor:
+    """Flat indices (b·T + t) of the positions t < lengths[b]; with `multiple`, extended by padding
+    positions (the earliest of each row first, which keeps each row a prefix) to a multiple of it, so
+    shapes repeat and compiled code is reused."""
+    positions = torch.arange(seq_len)
+    real = positions[None] < lengths[:, None]
+    count = int(lengths.clamp(max=seq_len).sum())
+    target = min(-(-count // multiple) * multiple, real.numel())
+    if target > count:
+        padding_rank = (positions[None] - lengths[:, None]).masked_fill(real, real.numel())
+        order = (padding_rank * lengths.shape[0] + torch.arange(lengths.shape[0])[:, None]).flatten()
+        extra = order.argsort()[: target - count]
+        real = real.flatten().clone()
+        real[extra] = True
+    return real.flatten().nonzero().squeeze(1)
+
+
+@dataclass
+class TrainingArguments:
+    """Hyperparameters and bookkeeping of one run. Defaults are the handouts' pretraining recipe."""
+
+    output_dir: str
+    max_epochs: int = 650
+    batch_size: int = 128
+    learning_rate: float = 6e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    grad_norm_clip: float = 1.0
+    warmup_tokens: int = HANDOUT_WARMUP_TOKENS
+    final_tokens: int | None = None  # None: max_epochs · examples · block_size, the handout's pretraining value
+    shuffle: bool = False
+    seed: int = 0
+    packed: bool = True
+    pack_multiple: int = 1
+    training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
+    compile: bool = False  # torch.compile the model inside the graphed step
+    log_every: int = 50
+    checkpointing_steps: str | None = None  # an integer, or "epoch"
+    save_total_limit: int = 2
+    resume_from_checkpoint: str | None = None
+    overwrite_output_dir: bool = False
+    report_to: str | None = None
+    run_name: str = "knowgpt"
+
+    def fingerprint(self) -> dict:
+        """What defines the run: a directory holding another fingerprint holds a different run."""
+        keep = (
+            "max_epochs batch_size learning_rate betas weight_decay grad_norm_clip warmup_tokens final_tokens "
+            "shuffle seed"
+        ).split()
+        values = asdict(self)
+        return {key: (list(values[key]) if isinstance(values[key], tuple) else values[key]) for key in keep}
+
+
+def make_accelerator(args: TrainingArguments, cpu: bool | None = None) -> Accelerator:
+    """One global batch of `batch_size` is split across processes, as one device would see it.
+
+    Without a GPU the processes of `accelerate launch --multi_gpu --num_processes N` (torchrun) train
+    together on CPUs through gloo; accelerate's own `--cpu` launcher starts several processes only with MPI.
+    """
+    kwargs = {"cpu": cpu if cpu is not None else not torch.cuda.is_available()}
+    if args.report_to:
+        kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
+    return Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True), **kwargs)
+
+
+def list_checkpoints(output_dir) -> list[Path]:
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
+    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+
+def validate_checkpoint(path) -> dict:
+    """The trainer state of a complete checkpoint; a clear error naming the path and what is wrong."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    missing = [
+        name
+        for name in (TRAINER_STATE, "config.json", "model.safetensors", ACCELERATE_STATE)
+        if not (path / name).exists()
+    ]
+    if missing:
+        raise ValueError(f"checkpoint {path} is incomplete or corrupt: missing {', '.join(missing)}")
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+        return {"global_step": int(state["global_step"]), **state}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"checkpoint {path} is corrupt: {TRAINER_STATE} is unreadable ({error})") from error
+
+
+def write_json_atomic(path, payload):
+    path = Path(path)
+    staging = path.with_name(f"{STAGING_PREFIX}{path.name}.{os.getpid()}")
+    staging.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(staging, path)
+
+
+class _StopRequested:
+    """SIGINT/SIGTERM ask the loop to save a checkpoint at the next step boundary and stop."""
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class TrainingResult:
+    global_step: int
+    epochs: int
+    final_loss: float | None
+    train_seconds: float
+    examples_per_second: float
+    loss_curve: list = field(default_factory=list)
+    interrupted: int = 0  # the signal that stopped the run, 0 when it ran to the end
+
+
+class KnowGPTTrainer:
+    """The training loop. `save_callback(directory, model)` writes the export files (tokenizer, model card)
+    next to the weights of every checkpoint and of the final model."""
+
+    def __init__(
+        self, model, data, args: TrainingArguments, accelerator: Accelerator | None = None, save_callback=None
+    ):
+        self.args = args
+        self.accelerator = accelerator or make_accelerator(args)
+        self.model = model
+        self.data = data
+        self.save_callback = save_callback
+        self.block_size = model.config.block_size
+        self.steps_rows = rows_per_step(data.num_examples, args.batch_size, args.max_epochs)
+        self.steps_per_epoch = len(rows_per_step(data.num_examples, args.batch_size, 1))
+        final_tokens = args.final_tokens or args.max_epochs * data.num_examples * self.block_size
+        self.lr_multipliers = handout_lr_multipliers(
+            self.steps_rows, self.block_size - 1, args.warmup_tokens, final_tokens
+        )
+        self.final_tokens = final_tokens
+
+    # -- setup -----------------------------------------------------------------------------------------
+    def _prepare_output_dir(self):
+        args, output_dir = self.args, Path(self.args.output_dir)
+        if not self.accelerator.is_main_process:
+            return
+        holds_files = output_dir.is_dir() and any(output_dir.iterdir())
+        if not holds_files or args.resume_from_checkpoint:
+            if holds_files and (output_dir / "training_args.json").is_file():
+                previous = json.loads((output_dir / "training_args.json").read_text()).get("fingerprint")
+                if previous is not None and previous != self.args.fingerprint() and not args.overwrite_output_dir:
+                    raise ValueError(
+                        f"output_dir {output_dir} holds a different run (its training arguments differ: "
+                        f"{previous} vs {self.args.fingerprint()}); pass --overwrite_output_dir or choose another directory"
+                    )
+        elif args.overwrite_output_dir:
+            shutil.rmtree(output_dir)
+        else:
+            raise ValueError(
+                f"output_dir {output_dir} already holds files; resume its run with --resume_from_checkpoint latest "
+                "or pass --overwrite_output_dir to replace it"
+            )
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in output_dir.glob(f"{STAGING_PREFIX}*"):  # from an interrupted save
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+        write_json_atomic(
+            output_dir / "training_args.json", {"fingerprint": args.fingerprint(), "arguments": asdict(args)}
+        )
+
+    def _resume_step(self) -> int:
+        source = self.args.resume_from_checkpoint
+        if not source:
+            return 0
+        if source == "latest":
+            checkpoints = list_checkpoints(self.args.output_dir)
+            if not checkpoints:
+                raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint in {self.args.output_dir}")
+            source = checkpoints[-1]
+        state = validate_checkpoint(source)
+        self.accelerator.load_state(str(Path(source) / ACCELERATE_STATE))
+        self.loss_curve = state.get("loss_curve", [])
+        self.accelerator.print(f"Resumed from {source} at step {state['global_step']}")
+        return state["global_step"]
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def _save_model_files(self, directory: Path):
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped.save_pretrained(
+            directory, is_main_process=self.accelerator.is_main_process, save_function=self.accelerator.save
+        )
+        if self.accelerator.is_main_process and self.save_callback is not None:
+            self.save_callback(directory, unwrapped)
+
+    def save_checkpoint(self, global_step: int):
+        """Write checkpoint-N into a staging folder and rename it into place: a kill leaves the last one whole."""
+        output_dir = Path(self.args.output_dir)
+        final = output_dir / f"{CHECKPOINT_PREFIX}{global_step}"
+        staging = output_dir / f"{STAGING_PREFIX}{CHECKPOINT_PREFIX}{global_step}"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(staging / ACCELERATE_STATE))
+        self._save_model_files(staging)
+        if self.accelerator.is_main_process:
+            write_json_atomic(
+                staging / TRAINER_STATE,
+                {
+                    "global_step": global_step,
+                    "epoch": global_step / self.steps_per_epoch,
+                    "loss_curve": self.loss_curve,
+                },
+            )
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            for old in list_checkpoints(output_dir)[: -self.args.save_total_limit or None]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def save_final(self, metrics: dict):
+        """The finished model in output_dir itself; files are staged and renamed in, config.json last."""
+        output_dir = Path(self.args.output_dir)
+        staging = output_dir / f"{STAGING_PREFIX}final"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self.accelerator.wait_for_everyone()
+        self._save_model_files(staging)
+        if self.accelerator.is_main_process:
+            write_json_atomic(staging / "train_results.json", metrics)
+            names = sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json")
+            for name in names:
+                target = output_dir / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                os.replace(staging / name, target)
+            staging.rmdir()
+        self.accelerator.wait_for_everyone()
+
+    def _should_checkpoint(self, global_step: int) -> bool:
+        every = self.args.checkpointing_steps
+        if not every:
+            return False
+        if every == "epoch":
+            return global_step % self.steps_per_epoch == 0
+        return global_step % int(every) == 0
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    batch_type = TrainingBatch
+
+    def batch_indices(self, global_step: int) -> torch.Tensor:
+        """The examples of a step: the handouts' batches in file order (or this epoch's shuffled order)."""
+        epoch, step_in_epoch = divmod(global_step, self.steps_per_epoch)
+        if self.args.shuffle:
+            order = torch.randperm(
+                self.data.num_examples, generator=torch.Generator().manual_seed(self.args.seed * 7919 + epoch)
+            )
+        else:
+            order = torch.arange(self.data.num_examples)
+        first = step_in_epoch * self.args.batch_size
+        return order[first : first + self.args.batch_size]
+
+    def device_orders(self):
+        if not self.args.shuffle:
+            return None
+        return torch.stack(
+            [
+                torch.randperm(
+                    self.data.num_examples, generator=torch.Generator().manual_seed(self.args.seed * 7919 + e)
+                )
+                for e in range(self.args.max_epochs)
+            ]
+        ).to(self.accelerator.device)
+
+    def _make_optimizer(self, graphed: bool):
+        args, device = self.args, self.accelerator.device
+        # A captured step reads its learning rate from a device tensor that the graph itself updates.
+        lr = torch.tensor(args.learning_rate, device=device) if graphed else args.learning_rate
+        optimizer = torch.optim.AdamW(
+            handout_parameter_groups(self.model, args.weight_decay),
+            lr=lr,
+            betas=args.betas,
+            fused=device.type == "cuda",
+            capturable=graphed,
+        )
+        if graphed:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return optimizer
+
+    def train(self) -> TrainingResult:
+        from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
+
+        args, accelerator = self.args, self.accelerator
+        set_seed(args.seed)
+        self._prepare_output_dir()
+        accelerator.wait_for_everyone()
+        device = accelerator.device
+        path = resolve_training_path(args.training_path, device, accelerator.num_processes)
+        self.training_path = path
+        self.data.to(device)
+        unwrapped = self.model
+        if path == "plain":
+            unwrapped.set_attn_implementation("eager")
+        elif device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
+            torch.backends.cudnn.allow_tf32 = True
+        optimizer = self._make_optimizer(graphed=path == "graphed")
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: self.lr_multipliers[min(step, len(self.lr_multipliers) - 1)]
+        )
+        self.model, optimizer, scheduler = accelerator.prepare(self.model, optimizer, scheduler)
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.loss_curve = []
+        start_step = self._resume_step()
+        if args.report_to:
+            accelerator.init_trackers(args.run_name, config={k: str(v) for k, v in asdict(args).items()})
+        stepper = {"plain": PlainStepper, "eager": EagerStepper}.get(path)
+        stepper = stepper(self) if stepper else GraphedStepper(self, compile_model=args.compile)
+
+        total_steps = len(self.steps_rows)
+        progress = _progress_bar(total_steps, start_step, disable=not accelerator.is_local_main_process)
+        self.model.train()
+        global_step, interrupted = start_step, 0
+        started, last_log, last_log_step = time.perf_counter(), time.perf_counter(), start_step
+        with _StopRequested() as stop:
+            while global_step < total_steps:
+                boundary = min(total_steps, (global_step // args.log_every + 1) * args.log_every)
+                if args.checkpointing_steps:
+                    every = (
+                        self.steps_per_epoch if args.checkpointing_steps == "epoch" else int(args.checkpointing_steps)
+                    )
+                    boundary = min(boundary, (global_step // every + 1) * every)
+                done = stepper.run(global_step, boundary - global_step, lambda: stop.signal is not None)
+                global_step += done
+                progress.update(done)
+                if path == "graphed":  # the graph sets the rates; keep the host scheduler's count for checkpoints
+                    getattr(scheduler, "scheduler", scheduler).last_epoch = global_step
+                if global_step % args.log_every == 0 or global_step == total_steps or stop.signal is not None:
+                    mean_loss = accelerator.reduce(stepper.take_loss(), reduction="mean").item()
+                    lr = args.learning_rate * self.lr_multipliers[min(global_step, total_steps - 1)]
+                    now = time.perf_counter()
+                    positions = (global_step - last_log_step) * args.batch_size * (self.block_size - 1)
+                    tokens_per_second = positions / max(now - last_log, 1e-9)
+                    last_log, last_log_step = now, global_step
+                    self.loss_curve.append({"step": global_step, "loss": mean_loss, "lr": lr})
+                    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
+                    if args.report_to:
+                        accelerator.log({"train/loss": mean_loss, "train/lr": lr}, step=global_step)
+                if self._should_checkpoint(global_step) or stop.signal is not None:
+                    self.save_checkpoint(global_step)
+                if stop.signal is not None:
+                    interrupted = int(stop.signal)
+                    accelerator.print(f"Stopped by signal {stop.signal} at step {global_step}; checkpoint saved")
+                    break
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        progress.close()
+        seconds = time.perf_counter() - started
+        if path == "plain":
+            unwrapped.set_attn_implementation("sdpa")
+        if args.report_to:
+            accelerator.end_training()
+        trained_examples = sum(self.steps_rows[start_step:global_step])
+        return TrainingResult(
+            global_step=global_step,
+            epochs=global_step // self.steps_per_epoch,
+            final_loss=self.loss_curve[-1]["loss"] if self.loss_curve else None,
+            train_seconds=seconds,
+            examples_per_second=trained_examples / max(seconds, 1e-9),
+            loss_curve=self.loss_curve,
+            interrupted=interrupted,
+        )
+
+    def optimizer_step(self, batch: TrainingBatch, rank: int, world: int, packed: bool | None = None) -> torch.Tensor:
+        """One optimizer step on this process's slice of the global batch; returns its loss (a device
+        tensor: the mean of these over processes is the global mean loss)."""
+        args, accelerator = self.args, self.accelerator
+        packed = args.packed if packed is None else packed
+        global_targets = int(batch.trained_targets.sum())  # host numbers: no device synchronization
+        input_ids, labels, lengths = batch.input_ids, batch.labels, batch.lengths
+        if world > 1:
+            rows = torch.tensor_split(torch.arange(input_ids.shape[0]), world)[rank]
+            device_rows = rows.to(input_ids.device)
+            input_ids, labels, lengths = input_ids[device_rows], labels[device_rows], lengths[rows]
+        token_index = None
+        if packed:
+            token_index = packed_token_index(lengths, input_ids.shape[1], args.pack_multiple)
+            token_index = token_index.to(input_ids.device, non_blocking=True)
+        with accelerator.autocast():
+            output = self.model(
+                input_ids=input_ids,
+                labels=labels,
+                token_index=token_index,
+                num_items_in_batch=global_targets / world,  # DDP averages over processes
+                use_cache=False,
+            )
+        accelerator.backward(output.loss)
+        if args.grad_norm_clip:
+            accelerator.clip_grad_norm_(self.model.parameters(), args.grad_norm_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return output.loss.detach()
+
+
+def _progress_bar(total, initial, disable):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=disable, desc="training", dynamic_ncols=True)
+
+
+__all__ = [
+    "FinetuningData",
+    "HANDOUT_WARMUP_TOKENS",
+    "KnowGPTTrainer",
+    "PretrainingData",
+    "TrainingArguments",
+    "TrainingBatch",
+    "TrainingResult",
+    "handout_lr_multiplier",
+    "handout_lr_multipliers",
+    "handout_parameter_groups",
+    "list_checkpoints",
+    "make_accelerator",
+    "packed_token_index",
+    "rows_per_step",
+    "validate_checkpoint",
+]

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Finetune KnowGPT to answer "Where was [person] born?", the handouts' recipe by default.
+
+    accelerate launch scripts/finetune.py --model_name_or_path outputs/pretrain-vanilla     # 10 epochs
+    accelerate launch scripts/finetune.py --pretrain_corpus_path wiki.txt \\
+        --finetune_corpus_path birth_places_train.tsv                                       # from scratch, 75 epochs
+
+Without --model_name_or_path the model starts from scratch with the vocabulary of the pretraining corpus,
+as the handouts do. The schedule's final_tokens is 200 · (pretraining documents) · block_size.
+"""
+
+import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
+import argparse
+
+from hf_knowgpt import workflows
+from hf_knowgpt.cli import (
+    add_model_arguments,
+    add_training_arguments,
+    model_overrides,
+    synthetic_size,
+    training_overrides,
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--model_name_or_path", default=None, help="pretrained checkpoint folder or Hub id; omit to start from scratch"
+    )
+    parser.add_argument(
+        "--finetune_corpus_path", default=None, help="question TAB place lines; default: the synthetic train set"
+    )
+    parser.add_argument(
+        "--pretrain_corpus_path",
+        default=None,
+        help="the pretraining corpus: vocabulary when starting from scratch, and the schedule's corpus size",
+    )
+    add_model_arguments(parser)
+    add_training_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.output_dir is None:
+        args.output_dir = "outputs/finetune-" + (
+            "pretrained" if args.model_name_or_path else f"scratch-{args.attention_type}"
+        )
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        _finetune(args)
+    except workflows.TrainingInterrupted as stopped:
+        print(f"{stopped}: resume with --resume_from_checkpoint latest")
+        raise SystemExit(128 + stopped.signal_number) from None
+
+
+def _finetune(args):
+    workflows.finetune(
+        args.output_dir,
+        model_name_or_path=args.model_name_or_path,
+        finetune_corpus_path=args.finetune_corpus_path,
+        pretrain_corpus_path=args.pretrain_corpus_path,
+        attention_type=args.attention_type,
+        recipe=args.recipe,
+        model_overrides=model_overrides(args),
+        training_overrides=training_overrides(args),
+        push_to_hub=args.push_to_hub,
+        hub_model_id=args.hub_model_id,
+        hub_token=args.hub_token,
+        **synthetic_size(args),
+    )
+
+
+if __name__ == "__main__":
+    main()

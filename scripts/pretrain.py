@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Pretrain KnowGPT with span corruption, the handouts' recipe by default.
+
+    accelerate launch scripts/pretrain.py --attention_type rope                     # synthetic corpus
+    accelerate launch scripts/pretrain.py --pretrain_corpus_path wiki.txt --attention_type rope
+    accelerate launch --mixed_precision bf16 --num_processes 2 scripts/pretrain.py ...
+
+The output directory is a `save_pretrained` checkpoint (config, safetensors, tokenizer, model card,
+training arguments and metrics); `--checkpointing_steps` adds resumable checkpoint-N folders.
+"""
+
+import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
+import argparse
+
+from hf_knowgpt import workflows
+from hf_knowgpt.cli import (
+    add_model_arguments,
+    add_training_arguments,
+    model_overrides,
+    synthetic_size,
+    training_overrides,
+)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--pretrain_corpus_path", default=None, help="one document per line (wiki.txt); default: the synthetic corpus"
+    )
+    add_model_arguments(parser)
+    add_training_arguments(parser)
+    args = parser.parse_args(argv)
+    args.output_dir = args.output_dir or f"outputs/pretrain-{args.attention_type}"
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        _pretrain(args)
+    except workflows.TrainingInterrupted as stopped:
+        print(f"{stopped}: resume with --resume_from_checkpoint latest")
+        raise SystemExit(128 + stopped.signal_number) from None
+
+
+def _pretrain(args):
+    workflows.pretrain(
+        args.output_dir,
+        attention_type=args.attention_type,
+        pretrain_corpus_path=args.pretrain_corpus_path,
+        recipe=args.recipe,
+        model_overrides=model_overrides(args),
+        training_overrides=training_overrides(args),
+        push_to_hub=args.push_to_hub,
+        hub_model_id=args.hub_model_id,
+        hub_token=args.hub_token,
+        **synthetic_size(args),
+    )
+
+
+if __name__ == "__main__":
+    main()

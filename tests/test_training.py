@@ -1,0 +1,387 @@
+import base64
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEV_TSV, REPO_ROOT, needs_data
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, pipeline
+
+import hf_knowgpt  # noqa: F401
+from data_loaders import write_synthetic_corpus
+from hf_knowgpt import workflows
+from hf_knowgpt.qa import handout_accuracy, load_metric
+from hf_knowgpt.training import (
+    HANDOUT_WARMUP_TOKENS,
+    KnowGPTTrainer,
+    handout_lr_multiplier,
+    handout_lr_multipliers,
+    handout_parameter_groups,
+    list_checkpoints,
+    packed_token_index,
+    rows_per_step,
+    validate_checkpoint,
+)
+
+TINY_MODEL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"]
+TINY_OVERRIDES = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)
+SCRIPTS = REPO_ROOT / "scripts"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_synthetic_corpus(tmp_path_factory.mktemp("synthetic"), num_people=60, seed=0)
+
+
+def run_script(*args, launcher=("python",), check=True, env=None, timeout=600):
+    command = [*launcher, *[str(a) for a in args]]
+    if launcher == ("python",):
+        command[0] = sys.executable
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT, env={**os.environ, **(env or {})}
+    )
+    if check:
+        assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+# -- the handouts' optimizer and schedule --------------------------------------------------------------------
+
+
+def handout_trainer_learning_rates(num_examples, batch_size, epochs, block_size, base_lr, final_tokens):
+    """The handout trainer's loop, restated: the rate used by each step, updated after it from (y >= 0).sum()."""
+    lr, tokens, used = base_lr, 0, []
+    for _ in range(epochs):
+        for start in range(0, num_examples, batch_size):
+            used.append(lr)
+            tokens += min(batch_size, num_examples - start) * (block_size - 1)  # every y position, pads included
+            if tokens < HANDOUT_WARMUP_TOKENS:
+                multiplier = tokens / HANDOUT_WARMUP_TOKENS
+            else:
+                progress = (tokens - HANDOUT_WARMUP_TOKENS) / max(1, final_tokens - HANDOUT_WARMUP_TOKENS)
+                multiplier = max(0.1, 0.5 * (1.0 + math.cos(math.pi * progress)))
+            lr = base_lr * multiplier
+    return used
+
+
+def test_learning_rates_follow_the_handout_trainer_step_by_step():
+    num_examples, batch_size, epochs, block = 2937, 128, 650, 128
+    final_tokens = epochs * num_examples * block
+    steps = rows_per_step(num_examples, batch_size, epochs)
+    assert len(steps) == 14950 and steps[22] == 121  # 23 batches per epoch, the last one of 121
+    ours = [6e-3 * m for m in handout_lr_multipliers(steps, block - 1, HANDOUT_WARMUP_TOKENS, final_tokens)]
+    theirs = handout_trainer_learning_rates(num_examples, batch_size, epochs, block, 6e-3, final_tokens)
+    assert len(ours) == len(theirs)
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-12
+    assert ours[0] == 6e-3  # the first step runs at the full rate (warmup is shorter than one batch)
+    assert ours[-1] == pytest.approx(6e-4)  # the 10% floor
+    assert handout_lr_multiplier(5120, 10240, 10**6) == 0.5
+
+
+def test_weight_decay_applies_to_everything_but_biases():
+    model = AutoModelForCausalLM.from_config(
+        hf_knowgpt.KnowGPTConfig(attention_type="synthesizer", n_embd=32, n_head=2)
+    )
+    decay, no_decay = handout_parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "transformer.tok_emb.weight" in decayed and "transformer.pos_emb.weight" in decayed
+    assert "transformer.blocks.0.ln1.weight" in decayed and "transformer.blocks.0.attn.b2" in decayed
+    assert all("bias" in names[id(p)] for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_packed_index_keeps_row_prefixes_and_rounds_up():
+    lengths = torch.tensor([5, 2, 7])
+    index = packed_token_index(lengths, 8)
+    assert index.tolist() == [0, 1, 2, 3, 4, 8, 9, 16, 17, 18, 19, 20, 21, 22]
+    rounded = packed_token_index(lengths, 8, multiple=8)
+    assert len(rounded) == 16
+    for row in range(3):
+        positions = sorted(i % 8 for i in rounded.tolist() if i // 8 == row)
+        assert positions == list(range(len(positions))) and len(positions) >= lengths[row]
+
+
+# -- end to end ------------------------------------------------------------------------------------------------
+
+
+def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
+    pretrained, finetuned = tmp_path / "pretrained", tmp_path / "finetuned"
+    run_script(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", pretrained,
+               "--max_epochs", 3, "--batch_size", 16, *TINY_MODEL, "--report_to", "tensorboard")  # fmt: skip
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "training_args.json",
+                 "train_results.json", "modeling_knowgpt.py"):  # fmt: skip
+        assert (pretrained / name).is_file(), name
+    assert list(pretrained.rglob("events.out.tfevents.*")), "no TensorBoard scalars"
+    card = (pretrained / "README.md").read_text()
+    assert "library_name: transformers" in card and "pretrain.py" in card and "| attention | `vanilla` |" in card
+
+    run_script(SCRIPTS / "finetune.py", "--model_name_or_path", pretrained, "--finetune_corpus_path", corpus.train,
+               "--output_dir", finetuned, "--max_epochs", 2, "--batch_size", 8)  # fmt: skip
+    card = (finetuned / "README.md").read_text()
+    assert f"base_model: {pretrained}" in card and card.count("pretrain.py") == 1 and "finetune.py" in card
+
+    predictions = tmp_path / "dev.predictions"
+    result = run_script(SCRIPTS / "evaluate.py", "--model_name_or_path", finetuned, "--eval_corpus_path", corpus.dev,
+                        "--outputs_path", predictions, "--write_scores")  # fmt: skip
+    questions = corpus.dev.read_text().strip("\n").split("\n")
+    lines = predictions.read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(lines) == len(questions)
+    metrics = json.loads(Path(f"{predictions}.metrics.json").read_text())
+    assert f"Correct: {metrics['correct']} out of {len(questions)}: " in result.stdout
+    assert (finetuned / "README.md").read_text().count("model-index") == 1
+
+    unlabeled = run_script(SCRIPTS / "evaluate.py", "--model_name_or_path", finetuned, "--eval_corpus_path",
+                           corpus.test, "--outputs_path", tmp_path / "test.predictions")  # fmt: skip
+    assert "nothing was scored" in unlabeled.stdout and "Correct" not in unlabeled.stdout
+    assert (
+        len((tmp_path / "test.predictions").read_text().split("\n")) - 1
+        == len(corpus.test.read_text().split("\n")) - 1
+    )
+
+    qa = pipeline("birthplace-qa", model=str(finetuned))
+    first = questions[0].split("\t")[0]
+    answer = qa(first)
+    assert answer["question"] == first and answer["answer"] == lines[0]
+    name = first.removeprefix("Where was ").removesuffix(" born?")
+    batch = qa([name, questions[1].split("\t")[0]], batch_size=2)
+    assert [b["answer"] for b in batch] == lines[:2]
+    generated = pipeline("text-generation", model=str(finetuned))(first + "⁇", max_new_tokens=4, do_sample=False)
+    assert generated[0]["generated_text"].startswith(first + "⁇")
+
+
+def test_two_processes_under_accelerate_train_like_one(corpus, tmp_path):
+    common = ["--pretrain_corpus_path", corpus.corpus, "--max_epochs", 2, "--batch_size", 16, *TINY_MODEL,
+              "--embd_pdrop", 0, "--resid_pdrop", 0, "--attn_pdrop", 0]  # fmt: skip
+    run_script(SCRIPTS / "pretrain.py", *common, "--output_dir", tmp_path / "one")
+    # Without MPI, accelerate's --cpu launcher starts one process; --multi_gpu starts them with torchrun, and
+    # on a machine without GPUs they train together on CPUs (gloo).
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")  # fmt: skip
+    run_script(SCRIPTS / "pretrain.py", *common, "--output_dir", tmp_path / "two", launcher=launcher)
+    one = json.loads((tmp_path / "one" / "train_results.json").read_text())
+    two = json.loads((tmp_path / "two" / "train_results.json").read_text())
+    assert two["num_processes"] == 2 and one["num_processes"] == 1
+    assert one["global_step"] == two["global_step"]
+    # Same global batches, same examples, gradients normalized globally: the same training up to rounding.
+    for a, b in zip(one["loss_curve"], two["loss_curve"]):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], abs=2e-3)
+    weights_one = load_file(tmp_path / "one" / "model.safetensors")
+    weights_two = load_file(tmp_path / "two" / "model.safetensors")
+    assert all(torch.allclose(weights_one[k], weights_two[k], atol=1e-3) for k in weights_one)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
+
+
+# -- resuming and faults -------------------------------------------------------------------------------------------
+
+
+def pretrain_in_process(corpus, output_dir, **training):
+    training = {"max_epochs": 3, "batch_size": 16, "overwrite_output_dir": False, **training}
+    return workflows.pretrain(
+        output_dir, pretrain_corpus_path=corpus.corpus, model_overrides=TINY_OVERRIDES, training_overrides=training
+    )
+
+
+def test_resume_continues_exactly_where_an_interrupted_run_stopped(corpus, tmp_path, monkeypatch):
+    model, _ = pretrain_in_process(corpus, tmp_path / "straight")
+    straight = {k: v.clone() for k, v in model.state_dict().items()}
+
+    original_step = KnowGPTTrainer.optimizer_step
+    calls = {"n": 0}
+
+    def step_then_signal(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 5:  # SIGTERM in the middle of the run: checkpoint at the step boundary, then stop
+            signal.raise_signal(signal.SIGTERM)
+        return original_step(self, *args)
+
+    monkeypatch.setattr(KnowGPTTrainer, "optimizer_step", step_then_signal)
+    with pytest.raises(workflows.TrainingInterrupted):
+        pretrain_in_process(corpus, tmp_path / "resumed")
+    monkeypatch.setattr(KnowGPTTrainer, "optimizer_step", original_step)
+    checkpoints = list_checkpoints(tmp_path / "resumed")
+    assert [c.name for c in checkpoints] == ["checkpoint-5"]
+    assert not (tmp_path / "resumed" / "config.json").exists()  # no final model from an interrupted run
+
+    model, metrics = pretrain_in_process(corpus, tmp_path / "resumed", resume_from_checkpoint="latest")
+    assert metrics["global_step"] == 12
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, straight[name]), name
+
+
+def test_a_killed_run_leaves_the_last_checkpoint_loadable_and_resumable(corpus, tmp_path):
+    output_dir = tmp_path / "killed"
+    args = [SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", output_dir,
+            "--max_epochs", 40, "--batch_size", 16, *TINY_MODEL, "--checkpointing_steps", 2]  # fmt: skip
+    process = subprocess.Popen([sys.executable, *map(str, args)], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list_checkpoints(output_dir)) < 2:
+        time.sleep(0.05)
+    process.kill()  # SIGKILL, possibly in the middle of writing a checkpoint
+    process.wait()
+    checkpoints = list_checkpoints(output_dir)
+    assert checkpoints, "no checkpoint was written before the kill"
+    latest = checkpoints[-1]
+    state = validate_checkpoint(latest)
+    assert state["global_step"] == int(latest.name.split("-")[1])
+    model = AutoModelForCausalLM.from_pretrained(latest)
+    assert model.config.n_embd == 32
+
+    resumed = run_script(*args[:-1], 1000, "--resume_from_checkpoint", "latest")  # how often to save is not the run
+    assert f"Resumed from {latest}" in resumed.stdout
+    assert json.loads((output_dir / "train_results.json").read_text())["global_step"] == 160  # 40 epochs of 4
+    other = [*args[:6], 100, *args[7:]]  # another --max_epochs is another run: refused
+    refused = run_script(*other, "--resume_from_checkpoint", "latest", check=False)
+    assert refused.returncode != 0 and "holds a different run" in refused.stderr
+
+
+def test_corrupt_or_missing_checkpoints_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        validate_checkpoint(tmp_path / "nowhere")
+    broken = tmp_path / "checkpoint-7"
+    broken.mkdir()
+    (broken / "trainer_state.json").write_text("{not json")
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="checkpoint-7 is incomplete or corrupt: missing model.safetensors"):
+        validate_checkpoint(broken)
+    (broken / "model.safetensors").write_bytes(b"")
+    (broken / "accelerate_state").mkdir()
+    with pytest.raises(ValueError, match="trainer_state.json is unreadable"):
+        validate_checkpoint(broken)
+
+
+def test_an_output_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
+    output_dir = tmp_path / "run"
+    pretrain_in_process(corpus, output_dir, max_epochs=1)
+    weights = (output_dir / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="already holds files"):
+        pretrain_in_process(corpus, output_dir, max_epochs=1, learning_rate=1e-3)
+    with pytest.raises(ValueError, match="holds a different run"):
+        pretrain_in_process(corpus, output_dir, max_epochs=1, learning_rate=1e-3, resume_from_checkpoint="latest")
+    assert (output_dir / "model.safetensors").read_bytes() == weights
+    pretrain_in_process(corpus, output_dir, max_epochs=1, learning_rate=1e-3, overwrite_output_dir=True)
+    assert (output_dir / "model.safetensors").read_bytes() != weights
+
+
+# -- scoring -------------------------------------------------------------------------------------------------------
+
+
+def handout_evaluate_places(filepath, predicted_places):
+    """The handouts' utils.evaluate_places, restated."""
+    with open(filepath, encoding="utf-8") as fin:
+        lines = [x.strip().split("\t") for x in fin]
+    true_places = [x[1] for x in lines]
+    return len(true_places), sum(t == p for t, p in zip(true_places, predicted_places))
+
+
+def test_metric_counts_exactly_like_the_handouts(tmp_path):
+    tsv = tmp_path / "gold.tsv"
+    tsv.write_text(
+        "Where was A born?\tLondon\nWhere was B born?\tSão Paulo \nWhere was C born?\tParis\nWhere was D born?\tRome\n"
+    )
+    predictions = ["London", "São Paulo", "paris", "Rome "]
+    total, correct = handout_evaluate_places(tsv, predictions)
+    metric = load_metric().compute(predictions=predictions, references=["London", "São Paulo", "Paris", "Rome"])
+    assert (metric["correct"], metric["total"]) == (correct, total) == (2, 4)
+    assert metric["accuracy"] == 0.5
+    assert handout_accuracy(["London", "Paris"], ["London", "Lyon"]) == (1, 2)
+
+
+@needs_data
+def test_london_baseline_on_dev_is_five_percent(tmp_path):
+    result = run_script(
+        SCRIPTS / "london_baseline.py", "--eval_corpus_path", DEV_TSV, "--outputs_path", tmp_path / "london.txt"
+    )
+    assert "Correct: 25 out of 500: 5.0%" in result.stdout
+    assert (tmp_path / "london.txt").read_text().split("\n")[:2] == ["London", "London"]
+    assert json.loads((tmp_path / "london.txt.metrics.json").read_text())["accuracy"] == 0.05
+
+
+# -- the handouts' command line ---------------------------------------------------------------------------------------
+
+
+def test_handout_run_py_commands(corpus, tmp_path):
+    pre, fin = tmp_path / "vanilla.pretrain.params", tmp_path / "vanilla.finetune.params"
+    run_script(
+        SCRIPTS / "run.py", "pretrain", "vanilla", corpus.corpus, "--writing_params_path", pre, "--max_epochs", 1
+    )
+    run_script(SCRIPTS / "run.py", "finetune", "vanilla", corpus.corpus, "--reading_params_path", pre,
+               "--writing_params_path", fin, "--finetune_corpus_path", corpus.train, "--max_epochs", 1)  # fmt: skip
+    result = run_script(SCRIPTS / "run.py", "evaluate", "vanilla", corpus.corpus, "--reading_params_path", fin,
+                        "--eval_corpus_path", corpus.dev, "--outputs_path", tmp_path / "dev.predictions")  # fmt: skip
+    assert "Correct:" in result.stdout and "out of 12:" in result.stdout
+    assert json.loads((fin / "config.json").read_text())["n_embd"] == 256  # the handouts' model
+    assert json.loads((fin / "train_results.json").read_text())["global_step"] == 1  # 1 epoch of 36 at batch 256
+
+
+# -- the Hub ----------------------------------------------------------------------------------------------------------
+
+
+class HubStandIn(BaseHTTPRequestHandler):
+    """Just enough of the Hub API for create_repo and upload_folder; records what arrives."""
+
+    received: dict = {}
+    requests: list = []
+
+    def _reply(self, status, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).requests.append(self.path)
+        endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if self.path == "/api/repos/create":
+            request = json.loads(body)
+            return self._reply(200, {"url": f"{endpoint}/{request.get('organization', 'user')}/{request['name']}"})
+        if self.path == "/api/validate-yaml":
+            return self._reply(200, {"warnings": []})
+        if "/preupload/" in self.path:
+            files = json.loads(body)["files"]
+            return self._reply(
+                200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
+        if "/commit/" in self.path:
+            for line in body.decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    type(self).received[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            return self._reply(200, {"commitUrl": f"{endpoint}/user/model/commit/abc", "commitOid": "a" * 40})
+        return self._reply(404, {"error": f"not in the stand-in: {self.path}"})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_push_to_hub_uploads_config_weights_tokenizer_and_card(corpus, tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HubStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        run_script(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", tmp_path / "model",
+                   "--max_epochs", 1, *TINY_MODEL, "--checkpointing_steps", "epoch", "--push_to_hub",
+                   "--hub_model_id", "user/knowgpt-tiny", "--hub_token", "hf_test",
+                   env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"})  # fmt: skip
+    finally:
+        server.shutdown()
+    received = HubStandIn.received
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md",
+                 "modeling_knowgpt.py"):  # fmt: skip
+        assert name in received, f"{name} not uploaded; got {sorted(received)}"
+    assert received["model.safetensors"] == (tmp_path / "model" / "model.safetensors").read_bytes()
+    assert not any(path.startswith("checkpoint-") for path in received)
+    assert "/api/repos/create" in HubStandIn.requests
