@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GENERATOR_VERSION = 2
-DEFAULT_NUM_PEOPLE = 600
+DEFAULT_NUM_PEOPLE = 300
 
 REGIONS = {
     "british": dict(

@@ -15,6 +15,8 @@ All three see the same examples per step (file order, same batch boundaries, the
 smaller), normalize the loss by the number of trained targets and follow the same per-step learning rates.
 """
 
+import time
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -159,6 +161,7 @@ class GraphedStepper:
         self.seq_len = data.static_length
         self.orders = trainer.device_orders()  # (epochs, N) when shuffling, else None
         self.graph = None
+        self.capture_seconds = 0.0
 
     # The body that is captured: everything one step does, with no host synchronization.
     def _body(self):
@@ -211,6 +214,7 @@ class GraphedStepper:
                         value.copy_(saved) if saved is not None else value.zero_()
 
     def capture(self, first_step: int):
+        started = time.perf_counter()
         snapshot = self._snapshot()
         side_stream = torch.cuda.Stream()
         side_stream.wait_stream(torch.cuda.current_stream())
@@ -227,6 +231,7 @@ class GraphedStepper:
         self.step_counter.fill_(first_step)
         self.loss_sum.zero_()
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - started
 
     def run(self, first_step: int, count: int, should_stop) -> int:
         if self.graph is None:

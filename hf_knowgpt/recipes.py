@@ -38,10 +38,12 @@ HANDOUT = Recipe(
 QUICKSTART = Recipe(
     name="quickstart",
     description=(
-        "A CPU-sized run for the README's main job on the synthetic corpus: width 128, 4 heads, and fewer "
-        "epochs, so pretrain → finetune → evaluate fits in a few minutes on two cores."
+        "A CPU-sized run for the README's main job on the synthetic corpus: 2 layers of width 128 without "
+        "dropout, batch 16, 200 pretraining epochs, so pretrain → finetune → evaluate fits in a few minutes "
+        "on two cores (chosen by dev accuracy on the synthetic corpus, which is made up and tells nothing "
+        "about the CS224N data)."
     ),
-    model=dict(n_layer=4, n_head=4, n_embd=128, block_size=128, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0),
+    model=dict(n_layer=2, n_head=4, n_embd=128, block_size=128, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0),
     pretrain=StageRecipe(max_epochs=200, batch_size=16, learning_rate=3e-3, final_tokens_epochs=200),
     finetune_pretrained=StageRecipe(max_epochs=10, batch_size=16, learning_rate=6e-4, final_tokens_epochs=200),
     finetune_scratch=StageRecipe(max_epochs=30, batch_size=16, learning_rate=6e-4, final_tokens_epochs=200),

@@ -194,6 +194,7 @@ class TrainingArguments:
     pack_multiple: int = 1
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
     compile: bool = False  # torch.compile the model inside the graphed step
+    time_epochs: bool = False  # synchronize at every epoch end and record the time (benchmarks)
     log_every: int = 50
     checkpointing_steps: str | None = None  # an integer, or "epoch"
     save_total_limit: int = 2
@@ -292,6 +293,8 @@ class TrainingResult:
     examples_per_second: float
     loss_curve: list = field(default_factory=list)
     interrupted: int = 0  # the signal that stopped the run, 0 when it ran to the end
+    epoch_seconds: list = field(default_factory=list)  # time since the start at each epoch end (time_epochs)
+    warmup_seconds: float = 0.0  # graph capture and its warm-up steps, inside train_seconds
 
 
 class KnowGPTTrainer:
@@ -498,7 +501,7 @@ class KnowGPTTrainer:
         total_steps = len(self.steps_rows)
         progress = _progress_bar(total_steps, start_step, disable=not accelerator.is_local_main_process)
         self.model.train()
-        global_step, interrupted = start_step, 0
+        global_step, interrupted, epoch_seconds = start_step, 0, []
         started, last_log, last_log_step = time.perf_counter(), time.perf_counter(), start_step
         with _StopRequested() as stop:
             while global_step < total_steps:
@@ -511,6 +514,10 @@ class KnowGPTTrainer:
                 done = stepper.run(global_step, boundary - global_step, lambda: stop.signal is not None)
                 global_step += done
                 progress.update(done)
+                if args.time_epochs and global_step % self.steps_per_epoch == 0:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    epoch_seconds.append(time.perf_counter() - started)
                 if path == "graphed":  # the graph sets the rates; keep the host scheduler's count for checkpoints
                     getattr(scheduler, "scheduler", scheduler).last_epoch = global_step
                 if global_step % args.log_every == 0 or global_step == total_steps or stop.signal is not None:
@@ -547,6 +554,8 @@ class KnowGPTTrainer:
             examples_per_second=trained_examples / max(seconds, 1e-9),
             loss_curve=self.loss_curve,
             interrupted=interrupted,
+            epoch_seconds=epoch_seconds,
+            warmup_seconds=getattr(stepper, "capture_seconds", 0.0),
         )
 
     def optimizer_step(self, batch: TrainingBatch, rank: int, world: int, packed: bool | None = None) -> torch.Tensor:
@@ -556,6 +565,8 @@ class KnowGPTTrainer:
         packed = args.packed if packed is None else packed
         global_targets = int(batch.trained_targets.sum())  # host numbers: no device synchronization
         input_ids, labels, lengths = batch.input_ids, batch.labels, batch.lengths
+        width = int(lengths.max())  # positions beyond every row's end are padding with no target
+        input_ids, labels = input_ids[:, :width], labels[:, :width]
         if world > 1:
             rows = torch.tensor_split(torch.arange(input_ids.shape[0]), world)[rank]
             device_rows = rows.to(input_ids.device)

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/quickstart}
-launch="accelerate launch --num_processes 1"
+# accelerate gives each process one CPU thread unless told otherwise
+launch="accelerate launch --num_processes 1 --num_cpu_threads_per_process $(nproc)"
 
 $launch scripts/pretrain.py --recipe quickstart --output_dir "$out/pretrained" --overwrite_output_dir
 $launch scripts/finetune.py --recipe quickstart --model_name_or_path "$out/pretrained" \

@@ -10,7 +10,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+# The CS224N files are read from ../shared/data (or KNOWGPT_DATA, e.g. a copy carried to the GPU machine).
+DATA_DIR = Path(os.environ.get("KNOWGPT_DATA", REPO_ROOT.parent / "shared" / "data"))
 WIKI = DATA_DIR / "wiki.txt"
 TRAIN_TSV = DATA_DIR / "birth_places_train.tsv"
 DEV_TSV = DATA_DIR / "birth_dev.tsv"
