@@ -25,6 +25,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -95,6 +96,7 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
     )
     block = config.block_size
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
+    AcceleratorState._reset_state(True)  # each case gets its own precision
     pretrain_epochs = HANDOUT.pretrain.max_epochs if full else epochs
     args = TrainingArguments(
         output_dir=str(workdir / f"{attention_type}-{path}-pretrain"),

@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_loaders.encoding import collate_handout_pairs
 
+from .training import packed_token_index
+
 TRAINING_PATHS = ("auto", "graphed", "eager", "plain")
 
 
@@ -125,23 +127,31 @@ class PlainStepper(EagerStepper):
 
 
 class GraphedStepper:
-    """The whole optimizer step as one CUDA graph, replayed once per step.
+    """The whole optimizer step as CUDA graphs, replayed once per step.
 
-    Inputs live on the device: the step counter, the learning rates of all steps, the corpus. Randomness
-    (corruption spans, dropout) comes from the default CUDA generator, which graphs advance at each replay.
-    Capturing needs a few warm-up steps; the model and optimizer are restored afterwards, so the run starts
-    from exactly the state it had.
+    The step counter, the learning rates of all steps and the corpus live on the device; the graph
+    computes this step's learning rate itself. Capturing needs a few warm-up steps; the model and
+    optimizer are restored afterwards, so the run continues from exactly the state it had.
+
+    Packed (the default): the host draws the step's corruption randomness from the same per-step seeded
+    generator as the eager path (so both see the same examples), works out which positions are real,
+    and sends the batch indices, the uniforms and the packed token index to the device (pinned, async);
+    the number of real tokens is rounded up to a multiple of `bucket`, and each such size gets its own
+    graph, captured the first time it occurs. Dense: everything, randomness included (the device's
+    default generator), is built inside the graph from the step counter, over ⌊7B/8⌋ + 2 positions.
     """
 
     WARMUP_STEPS = 3
 
-    def __init__(self, trainer, compile_model: bool = False):
+    def __init__(self, trainer, compile_model: bool = False, packed: bool | None = None, bucket: int = 256):
         self.trainer = trainer
         args, accelerator = trainer.args, trainer.accelerator
         device = accelerator.device
         self.device = device
+        self.packed = args.packed if packed is None else packed
+        self.bucket = bucket
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
-        self.model = torch.compile(model) if compile_model else model
+        self.model = torch.compile(model, dynamic=self.packed) if compile_model else model
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
@@ -159,22 +169,35 @@ class GraphedStepper:
         self.batch_size = args.batch_size
         self.steps_per_epoch = trainer.steps_per_epoch
         self.seq_len = data.static_length
-        self.orders = trainer.device_orders()  # (epochs, N) when shuffling, else None
-        self.graph = None
+        self.orders = None if self.packed else trainer.device_orders()  # (epochs, N) when shuffling
+        # Inputs of packed graphs, written before each replay.
+        self.generator = torch.Generator()
+        self.indices = torch.zeros(self.batch_size, dtype=torch.long, device=device)
+        self.valid = torch.zeros(self.batch_size, dtype=torch.bool, device=device)
+        self.uniforms = torch.zeros(self.batch_size, 3, dtype=torch.float64, device=device)
+        self.token_indices = {}  # capacity -> device buffer
+        self.graphs = {}  # capacity (None when dense) -> CUDA graph
+        self.pool = None
         self.capture_seconds = 0.0
 
-    # The body that is captured: everything one step does, with no host synchronization.
-    def _body(self):
+    # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
+    def _body(self, capacity=None):
         trainer, args = self.trainer, self.trainer.args
         step = self.step_counter
-        epoch, offset = step // self.steps_per_epoch, step % self.steps_per_epoch
-        positions = offset * self.batch_size + torch.arange(self.batch_size, device=self.device)
-        valid = positions < self.num_examples
-        positions = positions.clamp(max=self.num_examples - 1)
-        indices = (
-            positions if self.orders is None else self.orders[epoch.clamp(max=self.orders.shape[0] - 1), positions]
-        )
-        input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len)
+        if self.packed:
+            indices, valid, token_index = self.indices, self.valid, self.token_indices[capacity]
+            input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len, uniforms=self.uniforms)
+        else:
+            epoch, offset = step // self.steps_per_epoch, step % self.steps_per_epoch
+            positions = offset * self.batch_size + torch.arange(self.batch_size, device=self.device)
+            valid = positions < self.num_examples
+            positions = positions.clamp(max=self.num_examples - 1)
+            if self.orders is None:
+                indices = positions
+            else:  # tensors only as indices: a 0-d tensor used as a Python index is read on the host
+                indices = self.orders[epoch.clamp(max=self.orders.shape[0] - 1).expand_as(positions), positions]
+            input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len)
+            token_index = None
         trained_targets = (labels[:, 1:] != -100).sum()
         with torch.autocast(
             self.device.type,
@@ -183,16 +206,51 @@ class GraphedStepper:
             cache_enabled=False,
         ):
             loss = self.model(
-                input_ids=input_ids, labels=labels, num_items_in_batch=trained_targets, use_cache=False
+                input_ids=input_ids,
+                labels=labels,
+                token_index=token_index,
+                num_items_in_batch=trained_targets,
+                use_cache=False,
             ).loss
         loss.backward()
         if args.grad_norm_clip:
             torch.nn.utils.clip_grad_norm_(self.parameters, args.grad_norm_clip, foreach=True)
-        self.learning_rate.copy_(self.learning_rates[step.clamp(max=len(self.learning_rates) - 1)])
+        self.learning_rate.copy_(
+            self.learning_rates.index_select(0, step.clamp(max=len(self.learning_rates) - 1).view(1))[0]
+        )
         self.optimizer.step()
         self.loss_sum.add_(loss.detach())
         self.step_counter.add_(1)
 
+    # -- host side of a packed step ------------------------------------------------------------------------------
+    def _prepare_packed(self, global_step: int):
+        """Send this step's indices, uniforms and token index to the device; return the graph's capacity."""
+        trainer, args = self.trainer, self.trainer.args
+        indices = trainer.batch_indices(global_step)
+        rows = len(indices)
+        self.generator.manual_seed(args.seed * 1_000_003 + global_step)  # as the eager path: same examples
+        lengths, uniforms = trainer.data.plan(indices, self.generator)
+        pad = self.batch_size - rows
+        indices = torch.cat([indices, indices.new_zeros(pad)])
+        lengths = torch.cat([lengths, lengths.new_zeros(pad)])
+        uniforms = torch.cat([uniforms, uniforms.new_zeros(pad, 3)])
+        valid = torch.arange(self.batch_size) < rows
+        token_index = packed_token_index(lengths, self.seq_len, self.bucket)
+        capacity = len(token_index)
+        if capacity not in self.token_indices:
+            self.token_indices[capacity] = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        # Pinned staging makes the copies asynchronous; torch keeps each staging block until its copy is done.
+        pinned = self.device.type == "cuda"
+        for target, source in (
+            (self.indices, indices),
+            (self.valid, valid),
+            (self.uniforms, uniforms),
+            (self.token_indices[capacity], token_index),
+        ):
+            target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
+        return capacity
+
+    # -- capture and replay ----------------------------------------------------------------------------------------
     def _snapshot(self):
         state = [p.detach().clone() for p in self.parameters]
         optimizer_state = {
@@ -200,10 +258,10 @@ class GraphedStepper:
             for p in self.parameters
             if p in self.optimizer.state
         }
-        return state, optimizer_state
+        return state, optimizer_state, self.step_counter.clone(), self.loss_sum.clone()
 
     def _restore(self, snapshot):
-        state, optimizer_state = snapshot
+        state, optimizer_state, step_counter, loss_sum = snapshot
         with torch.no_grad():
             for parameter, saved in zip(self.parameters, state):
                 parameter.copy_(saved)
@@ -212,32 +270,36 @@ class GraphedStepper:
                     saved = optimizer_state.get(id(parameter), {}).get(key)
                     if torch.is_tensor(value):
                         value.copy_(saved) if saved is not None else value.zero_()
+            self.step_counter.copy_(step_counter)
+            self.loss_sum.copy_(loss_sum)
 
-    def capture(self, first_step: int):
+    def capture(self, first_step: int, capacity=None):
         started = time.perf_counter()
+        self.step_counter.fill_(first_step)
         snapshot = self._snapshot()
         side_stream = torch.cuda.Stream()
         side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side_stream):
             for _ in range(self.WARMUP_STEPS):
                 self.optimizer.zero_grad(set_to_none=True)
-                self._body()
+                self._body(capacity)
         torch.cuda.current_stream().wait_stream(side_stream)
         self.optimizer.zero_grad(set_to_none=True)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._body()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._body(capacity)
+        self.pool = self.pool or graph.pool()  # every graph shares one memory pool: they replay in turn
+        self.graphs[capacity] = graph
         self._restore(snapshot)
-        self.step_counter.fill_(first_step)
-        self.loss_sum.zero_()
         torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - started
+        self.capture_seconds += time.perf_counter() - started
 
     def run(self, first_step: int, count: int, should_stop) -> int:
-        if self.graph is None:
-            self.capture(first_step)
-        for _ in range(count):
-            self.graph.replay()
+        for global_step in range(first_step, first_step + count):
+            capacity = self._prepare_packed(global_step) if self.packed else None
+            if capacity not in self.graphs:
+                self.capture(global_step, capacity)
+            self.graphs[capacity].replay()
         self.loss_count += count
         return count
 

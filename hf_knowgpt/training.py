@@ -104,21 +104,26 @@ class PretrainingData:
         self.documents, self.lengths = self.documents.to(device), self.lengths.to(device)
         return self
 
-    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int):
-        """(input_ids, labels) built entirely on the device (its default generator), for captured steps."""
-        corrupted = span_corrupt(self.documents[indices], self.lengths[indices], self.block_size)
+    def plan(self, indices: torch.Tensor, generator: torch.Generator):
+        """Host side of a step: (example lengths, uniforms), drawn exactly as `batch` draws them."""
+        uniforms = draw_uniforms(len(indices), generator)
+        truncated, _, _ = corruption_plan(self.host_lengths[indices], uniforms, self.block_size)
+        return truncated + 2, uniforms
+
+    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
+        """(input_ids, labels) built on the device, for captured steps; without `uniforms` the randomness
+        comes from the device's default generator."""
+        corrupted = span_corrupt(self.documents[indices], self.lengths[indices], self.block_size, uniforms=uniforms)
         labels = corrupted.labels()[:, :seq_len].masked_fill(~valid[:, None], -100)
         return corrupted.input_ids[:, :seq_len], labels
 
     def batch(self, indices: torch.Tensor, generator: torch.Generator) -> TrainingBatch:
         # The uniforms are drawn on the host, so the example lengths are known without waiting for the device.
-        uniforms = draw_uniforms(len(indices), generator)
-        truncated, _, _ = corruption_plan(self.host_lengths[indices], uniforms, self.block_size)
+        lengths, uniforms = self.plan(indices, generator)
         device_indices = indices.to(self.documents.device)
         corrupted = span_corrupt(
             self.documents[device_indices], self.lengths[device_indices], self.block_size, uniforms=uniforms
         )
-        lengths = truncated + 2
         return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, lengths - 1)
 
 
@@ -144,7 +149,10 @@ class FinetuningData:
         self.input_ids, self.labels = self.input_ids.to(device), self.labels.to(device)
         return self
 
-    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int):
+    def plan(self, indices: torch.Tensor, generator: torch.Generator):
+        return self.host_lengths[indices], torch.zeros(len(indices), 3, dtype=torch.float64)
+
+    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
         labels = self.labels[indices, :seq_len].masked_fill(~valid[:, None], -100)
         return self.input_ids[indices, :seq_len], labels
 
@@ -485,6 +493,8 @@ class KnowGPTTrainer:
         elif device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
             torch.backends.cudnn.allow_tf32 = True
+            # Weight gradients sum over ~15k positions; split-K partial sums kept in bf16 lose them.
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         optimizer = self._make_optimizer(graphed=path == "graphed")
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: self.lr_multipliers[min(step, len(self.lr_multipliers) - 1)]
@@ -511,6 +521,8 @@ class KnowGPTTrainer:
                         self.steps_per_epoch if args.checkpointing_steps == "epoch" else int(args.checkpointing_steps)
                     )
                     boundary = min(boundary, (global_step // every + 1) * every)
+                if args.time_epochs:
+                    boundary = min(boundary, (global_step // self.steps_per_epoch + 1) * self.steps_per_epoch)
                 done = stepper.run(global_step, boundary - global_step, lambda: stop.signal is not None)
                 global_step += done
                 progress.update(done)

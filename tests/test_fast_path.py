@@ -9,7 +9,7 @@ from conftest import tiny_config
 from data_loaders import encode_birthplace_examples, encode_documents, generate_people
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
 from hf_knowgpt.fast_path import GraphedStepper, resolve_training_path
-from hf_knowgpt.training import FinetuningData, KnowGPTTrainer, PretrainingData, TrainingArguments
+from hf_knowgpt.training import FinetuningData, KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator
 
 BLOCK = 64
 TOLERANCE = 1e-5  # fp32: only the summation order differs (fused vs unfused attention, packed vs padded)
@@ -62,7 +62,7 @@ def test_static_length_trimming_keeps_the_loss(pretraining_data):
 def make_trainer(tmp_path, data, model, graphed):
     args = TrainingArguments(output_dir=str(tmp_path), max_epochs=2, batch_size=16, learning_rate=3e-3,
                              training_path="eager")  # fmt: skip
-    trainer = KnowGPTTrainer(model, data, args)
+    trainer = KnowGPTTrainer(model, data, args, make_accelerator(args, cpu=True))
     device = trainer.accelerator.device
     lr = torch.tensor(args.learning_rate) if graphed else args.learning_rate
     from hf_knowgpt.training import handout_parameter_groups
@@ -76,8 +76,9 @@ def make_trainer(tmp_path, data, model, graphed):
 
 
 @pytest.mark.parametrize("kind", ["pretraining", "finetuning"])
-def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path, kind):
-    """The body the CUDA graph captures (run uncaptured here) against the eager step, on the same batches."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path, kind, packed):
+    """The body the CUDA graph captures (run uncaptured here) against the eager step, step by step."""
     tokenizer, pretraining = pretraining_data
     if kind == "finetuning":
         people = generate_people(40, seed=2)
@@ -89,34 +90,35 @@ def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path
     graphed_model = copy.deepcopy(eager_model)
     eager = make_trainer(tmp_path / "eager", data, eager_model, graphed=False)
     graphed = make_trainer(tmp_path / "graphed", data, graphed_model, graphed=True)
-    stepper = GraphedStepper(graphed)
+    stepper = GraphedStepper(graphed, packed=packed, bucket=64)
 
     batches = {}
+    if not packed:  # the dense body makes its own randomness on the device: feed it the eager step's batch
+        original_device_batch = data.device_batch
 
-    def recorded_device_batch(indices, valid, seq_len):  # feed the graphed body the eager step's batch
-        batch = batches[int(stepper.step_counter)]
-        labels = batch.labels[:, :seq_len].masked_fill(~valid[: len(batch.labels), None], -100)
-        return batch.input_ids[:, :seq_len], labels
+        def recorded_device_batch(indices, valid, seq_len, uniforms=None):
+            batch = batches[int(stepper.step_counter)]
+            rows = len(batch.labels)
+            input_ids = torch.cat([batch.input_ids, batch.input_ids[: 16 - rows]])[:, :seq_len]
+            labels = torch.cat([batch.labels, torch.full_like(batch.labels[: 16 - rows], -100)])[:, :seq_len]
+            return input_ids, labels.masked_fill(~valid[:, None], -100)
 
-    data.device_batch = recorded_device_batch
+        data.device_batch = recorded_device_batch
     generator = torch.Generator()
     for step in range(eager.steps_per_epoch + 1):  # crosses an epoch boundary and its smaller last batch
-        generator.manual_seed(step)
+        generator.manual_seed(graphed.args.seed * 1_000_003 + step)  # the eager path's per-step seed
         batch = data.batch(eager.batch_indices(step), generator)
         batches[step] = batch
         eager_loss = eager.optimizer_step(batch, 0, 1, packed=True)
         graphed.optimizer.zero_grad(set_to_none=True)
-        if len(batch.labels) < 16:  # the graphed body always takes 16 rows; the missing ones are invalid
-            pad = 16 - len(batch.labels)
-            batches[step] = type(batch)(
-                torch.cat([batch.input_ids, batch.input_ids[:pad]]),
-                torch.cat([batch.labels, torch.full_like(batch.labels[:pad], -100)]),
-                batch.lengths, batch.trained_targets)  # fmt: skip
-        stepper._body()
+        capacity = stepper._prepare_packed(step) if packed else None
+        stepper._body(capacity)
         graphed_loss = stepper.take_loss()
         assert abs(eager_loss.item() - graphed_loss.item()) < TOLERANCE, step
         # the rate this step used, set inside the body, is the handouts' rate for the step
         assert graphed.optimizer.param_groups[0]["lr"].item() == pytest.approx(3e-3 * eager.lr_multipliers[step])
+    if not packed:
+        data.device_batch = original_device_batch
     for (name, a), (_, b) in zip(eager_model.named_parameters(), graphed_model.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
 
@@ -133,28 +135,81 @@ def test_training_path_selection():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_a_captured_graph_replays_the_uncaptured_step_exactly(pretraining_data, tmp_path):
+@pytest.mark.parametrize("packed", [True, False])
+def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tmp_path, packed):
     tokenizer, data = pretraining_data
-    model = fresh_model(len(tokenizer)).cuda()
+    model = fresh_model(len(tokenizer)).cuda()  # no dropout: both runs are deterministic
     reference = copy.deepcopy(model)
     args = TrainingArguments(output_dir=str(tmp_path), max_epochs=2, batch_size=16, training_path="graphed")
-    trainer = KnowGPTTrainer(model, data, args)
-    trainer.data.to("cuda")
-    trainer.optimizer = trainer._make_optimizer(graphed=True)
-    stepper = GraphedStepper(trainer)
-    reference_trainer = KnowGPTTrainer(reference, data, args)
-    reference_trainer.optimizer = reference_trainer._make_optimizer(graphed=True)
-    reference_stepper = GraphedStepper(reference_trainer)
-    fixed = data.device_batch(
-        torch.arange(16, device="cuda"), torch.ones(16, dtype=torch.bool, device="cuda"), data.static_length
-    )
-    data.device_batch = lambda indices, valid, seq_len: fixed  # the same batch every step: no randomness
-    stepper.capture(first_step=0)
-    for _ in range(3):
-        stepper.run(0, 1, lambda: False)
-        reference_trainer.optimizer.zero_grad(set_to_none=True)
-        reference_stepper._body()
+    steppers = []
+    for module in (model, reference):
+        trainer = KnowGPTTrainer(module, data, args)
+        trainer.data.to("cuda")
+        trainer.optimizer = trainer._make_optimizer(graphed=True)
+        steppers.append(GraphedStepper(trainer, packed=packed, bucket=64))
+    graphed, uncaptured = steppers
+    if not packed:  # the dense body draws its spans on the device: give both the same fixed batch
+        fixed = data.device_batch(torch.arange(16, device="cuda"), torch.ones(16, dtype=torch.bool, device="cuda"), 58)
+        data.device_batch = lambda indices, valid, seq_len, uniforms=None: fixed
+    steps = graphed.steps_per_epoch + 2
+    graphed.run(0, steps, lambda: False)
+    for step in range(steps):
+        uncaptured.optimizer.zero_grad(set_to_none=True)
+        uncaptured._body(uncaptured._prepare_packed(step) if packed else None)
     torch.cuda.synchronize()
-    assert abs(stepper.take_loss().item() - reference_stepper.take_loss().item()) < 1e-4
+    assert len(graphed.graphs) >= 1 and graphed.capture_seconds > 0
+    assert abs(graphed.take_loss().item() - uncaptured.take_loss().item() * 1) < 1e-4
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+class _NoHostReads:
+    """Fail on any read of a tensor's value by the host: inside a CUDA graph capture it would abort it."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def refuse(name):
+            def method(tensor, *args, **kwargs):
+                raise AssertionError(f"host read of a tensor value ({name}) inside the captured step")
+
+            return method
+
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, refuse(name))
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer", "perceiver"])
+@pytest.mark.parametrize("packed, shuffle", [(True, False), (False, False), (False, True)])
+def test_the_captured_body_never_reads_device_values_on_the_host(
+    pretraining_data, tmp_path, attention_type, packed, shuffle
+):
+    tokenizer, data = pretraining_data
+    model = fresh_model(len(tokenizer), attention_type, dropout=0.1)
+    trainer = make_trainer(tmp_path, data, model, graphed=True)
+    trainer.args.shuffle = shuffle
+    stepper = GraphedStepper(trainer, packed=packed, bucket=64)
+    capacity = stepper._prepare_packed(0) if packed else None  # host work, outside the graph
+    stepper._body(capacity)  # the first step creates the optimizer state (allowed to look at things once)
+    # The optimizer's own capture safety is torch's (capturable=True on CUDA, checked by the GPU test below);
+    # on the CPU its fused kernel may read the step count, so it runs outside the guard here.
+    guard = _NoHostReads()
+    optimizer_step = stepper.optimizer.step
+
+    def unguarded_optimizer_step():
+        guard.__exit__(None, None, None)
+        optimizer_step()
+        guard.__enter__()
+
+    stepper.optimizer.step = unguarded_optimizer_step
+    capacity = stepper._prepare_packed(1) if packed else None
+    with guard:
+        stepper._body(capacity)
+    assert int(stepper.step_counter) == 2

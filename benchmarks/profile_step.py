@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""Per-step time of the graphed pretraining step in its variants (dense or packed, eager or
+torch.compile'd kernels, fp32 with TF32 matmuls or bf16 autocast), on wiki.txt with the handout model,
+and the top CUDA kernels of the packed fp32 step. Prints a table last.
+
+    python benchmarks/profile_step.py --data_dir .data
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate.state import AcceleratorState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_loaders import encode_documents, read_corpus  # noqa: E402
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM  # noqa: E402
+from hf_knowgpt.fast_path import GraphedStepper  # noqa: E402
+from hf_knowgpt.recipes import HANDOUT  # noqa: E402
+from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator  # noqa: E402
+from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
+
+
+def stepper_for(corpus, attention_type, packed, compile_model, precision):
+    AcceleratorState._reset_state(True)
+    tokenizer = corpus_tokenizer(corpus)
+    documents = read_corpus(corpus)
+    config = KnowGPTConfig(vocab_size=len(tokenizer), attention_type=attention_type, **HANDOUT.model)
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(config).cuda()
+    data = PretrainingData(*encode_documents(tokenizer, documents, 128), 128)
+    args = TrainingArguments(output_dir="/tmp/profile", max_epochs=650, training_path="graphed", packed=packed)
+    trainer = KnowGPTTrainer(model, data, args, make_accelerator(args))
+    trainer.data.to("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    trainer.optimizer = trainer._make_optimizer(graphed=True)
+    stepper = GraphedStepper(trainer, compile_model=compile_model, packed=packed)
+    stepper.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
+    return stepper
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data_dir", default=".data")
+    parser.add_argument("--attention_type", default="vanilla")
+    parser.add_argument("--variants", default="dense:no,packed:no,packed:no:compile,packed:bf16,packed:bf16:compile")
+    args = parser.parse_args()
+    corpus = Path(args.data_dir) / "wiki.txt"
+
+    stepper = stepper_for(corpus, args.attention_type, True, False, "no")
+    stepper.run(0, 30, lambda: False)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        stepper.run(30, 10, lambda: False)
+        torch.cuda.synchronize()
+    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+    rows = []
+    for variant in args.variants.split(","):
+        parts = variant.split(":")
+        packed, precision, compile_model = parts[0] == "packed", parts[1], "compile" in parts
+        stepper = stepper_for(corpus, args.attention_type, packed, compile_model, precision)
+        start = time.perf_counter()
+        stepper.run(0, 230, lambda: False)  # ten epochs: captures, compilation, warm-up
+        torch.cuda.synchronize()
+        warmup = time.perf_counter() - start
+        capture = stepper.capture_seconds
+        start = time.perf_counter()
+        stepper.run(230, 460, lambda: False)
+        torch.cuda.synchronize()
+        per_step = (time.perf_counter() - start) / 460
+        loss = stepper.take_loss().item()
+        rows.append((variant, warmup, capture, stepper.capture_seconds - capture, len(stepper.graphs), per_step, loss))
+        print(rows[-1], flush=True)
+    print(f"\n{'variant':<22}{'first 230 s':>12}{'captures':>9}{'ms/step':>9}{'650 epochs s':>14}{'loss@690':>10}")
+    for variant, warmup, capture, late_capture, graphs, per_step, loss in rows:
+        print(f"{variant:<22}{warmup:>12.1f}{graphs:>9}{1000 * per_step:>9.2f}{per_step * 14950:>14.1f}{loss:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
