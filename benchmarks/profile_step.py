@@ -76,9 +76,15 @@ def main():
         loss = stepper.take_loss().item()
         rows.append((variant, warmup, capture, stepper.capture_seconds - capture, len(stepper.graphs), per_step, loss))
         print(rows[-1], flush=True)
-    print(f"\n{'variant':<22}{'first 230 s':>12}{'captures':>9}{'ms/step':>9}{'650 epochs s':>14}{'loss@690':>10}")
+    print(
+        f"\n{'variant':<22}{'first 230 s':>12}{'capture s':>10}{'late capture s':>15}{'graphs':>7}"
+        f"{'ms/step':>9}{'650 epochs s':>14}{'loss@690':>10}"
+    )
     for variant, warmup, capture, late_capture, graphs, per_step, loss in rows:
-        print(f"{variant:<22}{warmup:>12.1f}{graphs:>9}{1000 * per_step:>9.2f}{per_step * 14950:>14.1f}{loss:>10.3f}")
+        print(
+            f"{variant:<22}{warmup:>12.1f}{capture:>10.1f}{late_capture:>15.2f}{graphs:>7}"
+            f"{1000 * per_step:>9.2f}{per_step * 14950:>14.1f}{loss:>10.3f}"
+        )
 
 
 if __name__ == "__main__":
