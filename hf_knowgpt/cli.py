@@ -8,7 +8,9 @@ from .recipes import RECIPES
 
 def add_model_arguments(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("model (defaults: the recipe's)")
-    group.add_argument("--attention_type", choices=ATTENTION_TYPES, default="vanilla", help="attention variant")
+    group.add_argument(
+        "--attention_type", choices=ATTENTION_TYPES, default=None, help="attention variant (default: the recipe's)"
+    )
     group.add_argument("--n_layer", type=int, default=None, help="transformer blocks (handout: 4)")
     group.add_argument("--n_head", type=int, default=None, help="attention heads (handout: 8)")
     group.add_argument("--n_embd", type=int, default=None, help="width (handout: 256)")
@@ -40,10 +42,17 @@ def add_training_arguments(parser: argparse.ArgumentParser):
     group.add_argument("--final_tokens", type=int, default=None, help="tokens at which the cosine reaches 10%%")
     group.add_argument("--shuffle", action="store_true", help="shuffle examples each epoch (the handouts do not)")
     group.add_argument("--no_packing", action="store_true", help="compute padding positions too (slower, same loss)")
+    group.add_argument(
+        "--training_path",
+        choices=["auto", "graphed", "eager", "plain"],
+        default="auto",
+        help="auto: one CUDA graph per step on one GPU, eager elsewhere; plain: the handouts' DataLoader way",
+    )
+    group.add_argument("--torch_compile", action="store_true", help="compile the model inside the graphed step")
     group.add_argument("--log_every", type=int, default=50, help="steps between loss reports")
     group.add_argument("--report_to", choices=["tensorboard"], default=None, help="log scalars to TensorBoard")
     group.add_argument(
-        "--checkpointing_steps", default=None, help="save a resumable checkpoint every N steps or 'epoch'"
+        "--checkpointing_steps", default=None, help="save a resumable checkpoint every N steps, 'epoch' or 'epochs:K'"
     )
     group.add_argument("--save_total_limit", type=int, default=2, help="checkpoints kept")
     group.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in output_dir")
@@ -62,6 +71,8 @@ def training_overrides(args) -> dict:
         seed=args.seed,
         shuffle=args.shuffle,
         packed=not args.no_packing,
+        training_path=args.training_path,
+        compile=args.torch_compile,
         log_every=args.log_every,
         report_to=args.report_to,
         checkpointing_steps=args.checkpointing_steps,

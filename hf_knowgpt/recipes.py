@@ -12,7 +12,7 @@ class StageRecipe:
     max_epochs: int
     batch_size: int
     learning_rate: float
-    final_tokens_epochs: int  # final_tokens = this · len(pretraining corpus) · block_size
+    final_tokens_epochs: int | None  # final_tokens = this · len(pretraining corpus) · block_size; None: the run's end
     extra: dict = field(default_factory=dict)  # further TrainingArguments fields
 
 
@@ -24,6 +24,8 @@ class Recipe:
     pretrain: StageRecipe
     finetune_pretrained: StageRecipe
     finetune_scratch: StageRecipe
+    attention_type: str = "vanilla"  # used when no --attention_type is given
+    mixed_training: bool = False  # question–answer examples of the training people join pretraining
 
 
 HANDOUT = Recipe(
@@ -49,7 +51,25 @@ QUICKSTART = Recipe(
     finetune_scratch=StageRecipe(max_epochs=30, batch_size=16, learning_rate=6e-4, final_tokens_epochs=200),
 )
 
-RECIPES = {recipe.name: recipe for recipe in (HANDOUT, QUICKSTART)}
+KNOWLEDGE = Recipe(
+    name="knowledge",
+    description=(
+        "Mixed training (Allen-Zhu & Li, Physics of Language Models 3.1): the training people's "
+        "question–answer examples join the span-corrupted corpus in every pretraining epoch, shuffled, with "
+        "RoPE, so the model learns during pretraining to answer from what it memorizes; then the handouts' "
+        "finetuning. Chosen on a held-out split of the training questions (benchmarks/RESULTS.md)."
+    ),
+    model=dict(n_layer=4, n_head=8, n_embd=256, block_size=128),
+    pretrain=StageRecipe(
+        max_epochs=650, batch_size=128, learning_rate=6e-3, final_tokens_epochs=None, extra={"shuffle": True}
+    ),
+    finetune_pretrained=StageRecipe(max_epochs=10, batch_size=256, learning_rate=6e-4, final_tokens_epochs=200),
+    finetune_scratch=StageRecipe(max_epochs=75, batch_size=256, learning_rate=6e-4, final_tokens_epochs=200),
+    attention_type="rope",
+    mixed_training=True,
+)
+
+RECIPES = {recipe.name: recipe for recipe in (HANDOUT, QUICKSTART, KNOWLEDGE)}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -58,4 +78,4 @@ def get_recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-__all__ = ["HANDOUT", "QUICKSTART", "RECIPES", "Recipe", "StageRecipe", "get_recipe"]
+__all__ = ["HANDOUT", "KNOWLEDGE", "QUICKSTART", "RECIPES", "Recipe", "StageRecipe", "get_recipe"]

@@ -166,6 +166,60 @@ class FinetuningData:
         )
 
 
+class MixedData:
+    """Pretraining documents and question–answer examples in one epoch ("mixed training", Allen-Zhu & Li,
+    Physics of Language Models 3.1): examples 0..D-1 are span-corrupted documents, D.. are questions."""
+
+    def __init__(self, documents: PretrainingData, questions: FinetuningData):
+        self.documents, self.questions = documents, questions
+        self.block_size = documents.block_size
+
+    @property
+    def num_examples(self) -> int:
+        return self.documents.num_examples + self.questions.num_examples
+
+    @property
+    def static_length(self) -> int:
+        return max(self.documents.static_length, self.questions.static_length)
+
+    def to(self, device):
+        self.documents.to(device), self.questions.to(device)
+        return self
+
+    def _split(self, indices):
+        is_document = indices < self.documents.num_examples
+        return (
+            is_document,
+            indices.clamp(max=self.documents.num_examples - 1),
+            (indices - self.documents.num_examples).clamp(min=0),
+        )
+
+    def plan(self, indices, generator):
+        is_document, document_rows, question_rows = self._split(indices)
+        document_lengths, uniforms = self.documents.plan(document_rows, generator)
+        lengths = torch.where(is_document, document_lengths, self.questions.host_lengths[question_rows])
+        return lengths, uniforms
+
+    def batch(self, indices, generator) -> TrainingBatch:
+        is_document, document_rows, question_rows = self._split(indices)
+        documents = self.documents.batch(document_rows, generator)
+        questions = self.questions.batch(question_rows, generator)
+        rows = is_document.to(documents.input_ids.device)[:, None]
+        return TrainingBatch(
+            torch.where(rows, documents.input_ids, questions.input_ids),
+            torch.where(rows, documents.labels, questions.labels),
+            torch.where(is_document, documents.lengths, questions.lengths),
+            torch.where(is_document, documents.trained_targets, questions.trained_targets),
+        )
+
+    def device_batch(self, indices, valid, seq_len, uniforms=None):
+        is_document, document_rows, question_rows = self._split(indices)
+        document_ids, document_labels = self.documents.device_batch(document_rows, valid, seq_len, uniforms)
+        question_ids, question_labels = self.questions.device_batch(question_rows, valid, seq_len)
+        rows = is_document[:, None]
+        return torch.where(rows, document_ids, question_ids), torch.where(rows, document_labels, question_labels)
+
+
 def packed_token_index(lengths: torch.Tensor, seq_len: int, multiple: int = 1) -> torch.Tensor:
     """Flat indices (b·T + t) of the positions t < lengths[b]; with `multiple`, extended by padding
     positions (the earliest of each row first, which keeps each row a prefix) to a multiple of it, so
@@ -425,13 +479,20 @@ class KnowGPTTrainer:
             staging.rmdir()
         self.accelerator.wait_for_everyone()
 
-    def _should_checkpoint(self, global_step: int) -> bool:
-        every = self.args.checkpointing_steps
-        if not every:
-            return False
+    def _checkpoint_every(self) -> int:
+        """Steps between checkpoints: --checkpointing_steps N, 'epoch', or 'epochs:K'."""
+        every = str(self.args.checkpointing_steps)
         if every == "epoch":
-            return global_step % self.steps_per_epoch == 0
-        return global_step % int(every) == 0
+            return self.steps_per_epoch
+        if every.startswith("epochs:"):
+            return int(every.split(":", 1)[1]) * self.steps_per_epoch
+        try:
+            return int(every)
+        except ValueError:
+            raise ValueError(f"checkpointing_steps must be an integer, 'epoch' or 'epochs:K', got {every!r}") from None
+
+    def _should_checkpoint(self, global_step: int) -> bool:
+        return bool(self.args.checkpointing_steps) and global_step % self._checkpoint_every() == 0
 
     # -- the loop ------------------------------------------------------------------------------------------
     batch_type = TrainingBatch
@@ -517,9 +578,7 @@ class KnowGPTTrainer:
             while global_step < total_steps:
                 boundary = min(total_steps, (global_step // args.log_every + 1) * args.log_every)
                 if args.checkpointing_steps:
-                    every = (
-                        self.steps_per_epoch if args.checkpointing_steps == "epoch" else int(args.checkpointing_steps)
-                    )
+                    every = self._checkpoint_every()
                     boundary = min(boundary, (global_step // every + 1) * every)
                 if args.time_epochs:
                     boundary = min(boundary, (global_step // self.steps_per_epoch + 1) * self.steps_per_epoch)

@@ -31,7 +31,7 @@ from .modeling_knowgpt import KnowGPTForCausalLM
 from .qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, load_metric, predict_birthplaces
 from .recipes import Recipe, StageRecipe, get_recipe
 from .tokenization_knowgpt import KnowGPTTokenizerFast
-from .training import FinetuningData, KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator
+from .training import FinetuningData, KnowGPTTrainer, MixedData, PretrainingData, TrainingArguments, make_accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,15 @@ def _dataset_id(path) -> str:
 
 
 def _training_arguments(stage: StageRecipe, output_dir, corpus_documents, block_size, overrides: dict):
+    final_tokens = (
+        None if stage.final_tokens_epochs is None else stage.final_tokens_epochs * corpus_documents * block_size
+    )
     values = dict(
         output_dir=str(output_dir),
         max_epochs=stage.max_epochs,
         batch_size=stage.batch_size,
         learning_rate=stage.learning_rate,
-        final_tokens=stage.final_tokens_epochs * corpus_documents * block_size,
+        final_tokens=final_tokens,
         **stage.extra,
     )
     values.update({key: value for key, value in overrides.items() if value is not None})
@@ -131,6 +134,7 @@ def _run(model, tokenizer, data, args, accelerator, card: dict, push_to_hub=Fals
         "epochs": result.epochs,
         "final_loss": result.final_loss,
         "train_seconds": result.train_seconds,
+        "warmup_seconds": result.warmup_seconds,
         "examples_per_second": result.examples_per_second,
         "interrupted": result.interrupted,
         "device": describe_device(accelerator.device),
@@ -158,8 +162,9 @@ def _run(model, tokenizer, data, args, accelerator, card: dict, push_to_hub=Fals
 
 def pretrain(
     output_dir,
-    attention_type: str = "vanilla",
+    attention_type: str | None = None,
     pretrain_corpus_path=None,
+    mixed_training_corpus_path=None,
     recipe: str | Recipe = "handout",
     model_overrides: dict | None = None,
     training_overrides: dict | None = None,
@@ -170,9 +175,18 @@ def pretrain(
     hub_token: str | None = None,
     command: str | None = None,
 ):
-    """Pretrain with span corruption on `pretrain_corpus_path` (default: the synthetic corpus)."""
+    """Pretrain with span corruption on `pretrain_corpus_path` (default: the synthetic corpus); with mixed
+    training (the knowledge recipe), the questions of `mixed_training_corpus_path` join every epoch."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    attention_type = attention_type or recipe.attention_type
     corpus_path = Path(pretrain_corpus_path) if pretrain_corpus_path else default_data(num_people).corpus
+    if recipe.mixed_training and mixed_training_corpus_path is None:
+        if pretrain_corpus_path:
+            raise ValueError(
+                f"recipe {recipe.name!r} mixes question–answer examples into pretraining: "
+                "pass --mixed_training_corpus_path (the training questions, e.g. birth_places_train.tsv)"
+            )
+        mixed_training_corpus_path = default_data(num_people).train
     documents = load_corpus(corpus_path)["train"]["text"]
     tokenizer = corpus_tokenizer(corpus_path)
     model_values = {**recipe.model, **{k: v for k, v in (model_overrides or {}).items() if v is not None}}
@@ -185,8 +199,15 @@ def pretrain(
     set_seed(args.seed)  # the initial weights
     model = KnowGPTForCausalLM(config)
     data = PretrainingData(*encode_documents(tokenizer, documents, block_size, str(corpus_path)), block_size)
+    data_description = f"span corruption on `{corpus_path.name}` ({len(documents)} documents)"
+    if mixed_training_corpus_path:
+        questions = _birthplace_examples(tokenizer, mixed_training_corpus_path, block_size)
+        data = MixedData(data, questions)
+        data_description += (
+            f", mixed with the {questions.num_examples} questions of `{Path(mixed_training_corpus_path).name}`"
+        )
     card = dict(
-        data_description=f"span corruption on `{corpus_path.name}` ({len(documents)} documents)",
+        data_description=data_description,
         dataset_id=_dataset_id(corpus_path),
         extra={
             "stage": "pretrain",
@@ -204,7 +225,7 @@ def finetune(
     model_name_or_path=None,
     finetune_corpus_path=None,
     pretrain_corpus_path=None,
-    attention_type: str = "vanilla",
+    attention_type: str | None = None,
     recipe: str | Recipe = "handout",
     model_overrides: dict | None = None,
     training_overrides: dict | None = None,
@@ -245,6 +266,7 @@ def finetune(
         description = f"Pretrained, then finetuned on `{finetune_path.name}` from `{model_name_or_path}`."
     else:
         tokenizer = corpus_tokenizer(corpus_path)
+        attention_type = attention_type or recipe.attention_type
         model_values = {**recipe.model, **{k: v for k, v in (model_overrides or {}).items() if v is not None}}
         config = KnowGPTConfig(
             vocab_size=len(tokenizer),
@@ -260,16 +282,11 @@ def finetune(
             f"Finetuned on `{finetune_path.name}` from scratch (no pretraining), vocabulary of `{corpus_path.name}`."
         )
     block_size = model.config.block_size
-    records = load_birthplaces(train=finetune_path)["train"]
-    if any(answer is None for answer in records["answer"]):
-        raise ValueError(f"{finetune_path} has questions without places: finetuning needs 'question TAB place' lines")
-    input_ids, labels = encode_birthplace_examples(
-        tokenizer, records["question"], records["answer"], block_size, str(finetune_path)
-    )
+    data = _birthplace_examples(tokenizer, finetune_path, block_size)
     args = _training_arguments(stage, output_dir, corpus_documents, block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
     card = dict(
-        data_description=f"`{finetune_path.name}` ({len(records)} questions)",
+        data_description=f"`{finetune_path.name}` ({data.num_examples} questions)",
         dataset_id=_dataset_id(finetune_path),
         extra={
             "stage": "finetune",
@@ -280,16 +297,15 @@ def finetune(
             "commands": commands + [command or command_line()],
         },
     )
-    return _run(
-        model,
-        tokenizer,
-        FinetuningData(input_ids, labels),
-        args,
-        accelerator,
-        card,
-        push_to_hub,
-        hub_model_id,
-        hub_token,
+    return _run(model, tokenizer, data, args, accelerator, card, push_to_hub, hub_model_id, hub_token)
+
+
+def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
+    records = load_birthplaces(train=path)["train"]
+    if any(answer is None for answer in records["answer"]):
+        raise ValueError(f"{path} has questions without places: training needs 'question TAB place' lines")
+    return FinetuningData(
+        *encode_birthplace_examples(tokenizer, records["question"], records["answer"], block_size, str(path))
     )
 
 

@@ -40,7 +40,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.output_dir is None:
         args.output_dir = "outputs/finetune-" + (
-            "pretrained" if args.model_name_or_path else f"scratch-{args.attention_type}"
+            "pretrained" if args.model_name_or_path else f"scratch-{args.attention_type or args.recipe}"
         )
     return args
 

@@ -27,10 +27,15 @@ def parse_args(argv=None):
     parser.add_argument(
         "--pretrain_corpus_path", default=None, help="one document per line (wiki.txt); default: the synthetic corpus"
     )
+    parser.add_argument(
+        "--mixed_training_corpus_path",
+        default=None,
+        help="question TAB place lines mixed into every pretraining epoch (the knowledge recipe's mixed training)",
+    )
     add_model_arguments(parser)
     add_training_arguments(parser)
     args = parser.parse_args(argv)
-    args.output_dir = args.output_dir or f"outputs/pretrain-{args.attention_type}"
+    args.output_dir = args.output_dir or f"outputs/pretrain-{args.attention_type or args.recipe}"
     return args
 
 
@@ -48,6 +53,7 @@ def _pretrain(args):
         args.output_dir,
         attention_type=args.attention_type,
         pretrain_corpus_path=args.pretrain_corpus_path,
+        mixed_training_corpus_path=args.mixed_training_corpus_path,
         recipe=args.recipe,
         model_overrides=model_overrides(args),
         training_overrides=training_overrides(args),

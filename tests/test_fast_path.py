@@ -9,7 +9,14 @@ from conftest import tiny_config
 from data_loaders import encode_birthplace_examples, encode_documents, generate_people
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
 from hf_knowgpt.fast_path import GraphedStepper, resolve_training_path
-from hf_knowgpt.training import FinetuningData, KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator
+from hf_knowgpt.training import (
+    FinetuningData,
+    KnowGPTTrainer,
+    MixedData,
+    PretrainingData,
+    TrainingArguments,
+    make_accelerator,
+)
 
 BLOCK = 64
 TOLERANCE = 1e-5  # fp32: only the summation order differs (fused vs unfused attention, packed vs padded)
@@ -75,17 +82,24 @@ def make_trainer(tmp_path, data, model, graphed):
     return trainer
 
 
-@pytest.mark.parametrize("kind", ["pretraining", "finetuning"])
+def question_data(tokenizer):
+    people = generate_people(40, seed=2)
+    questions = [f"Where was {p.name} born?" for p in people]
+    return FinetuningData(*encode_birthplace_examples(tokenizer, questions, [p.place for p in people], BLOCK))
+
+
+@pytest.mark.parametrize("kind", ["pretraining", "finetuning", "mixed"])
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path, kind, packed):
     """The body the CUDA graph captures (run uncaptured here) against the eager step, step by step."""
     tokenizer, pretraining = pretraining_data
-    if kind == "finetuning":
-        people = generate_people(40, seed=2)
-        data = FinetuningData(*encode_birthplace_examples(
-            tokenizer, [f"Where was {p.name} born?" for p in people], [p.place for p in people], BLOCK))  # fmt: skip
-    else:
-        data = pretraining
+    data = {
+        "pretraining": lambda: pretraining,
+        "finetuning": lambda: question_data(tokenizer),
+        "mixed": lambda: MixedData(pretraining, question_data(tokenizer)),
+    }[kind]()
+    if kind == "mixed" and not packed:
+        pytest.skip("the dense body draws its spans on the device; the mixed batch is covered packed")
     eager_model = fresh_model(len(tokenizer))
     graphed_model = copy.deepcopy(eager_model)
     eager = make_trainer(tmp_path / "eager", data, eager_model, graphed=False)
@@ -213,3 +227,18 @@ def test_the_captured_body_never_reads_device_values_on_the_host(
     with guard:
         stepper._body(capacity)
     assert int(stepper.step_counter) == 2
+
+
+def test_mixed_data_holds_documents_and_questions(pretraining_data):
+    tokenizer, pretraining = pretraining_data
+    questions = question_data(tokenizer)
+    mixed = MixedData(pretraining, questions)
+    assert mixed.num_examples == 80 and mixed.static_length == max(58, questions.static_length)
+    indices = torch.tensor([0, 39, 40, 79])
+    batch = mixed.batch(indices, torch.Generator().manual_seed(0))
+    assert ((batch.input_ids[:2] == 1).sum(1) == 2).all()  # documents: span-corrupted, two ⁇
+    assert torch.equal(batch.input_ids[2], questions.input_ids[0]) and torch.equal(
+        batch.labels[3], questions.labels[39]
+    )
+    lengths, _ = mixed.plan(indices, torch.Generator().manual_seed(0))
+    assert torch.equal(lengths, batch.lengths)
