@@ -57,28 +57,52 @@ def split_train(train_path: Path, heldout: int, directory: Path):
     return kept, held
 
 
+MODEL_OPTIONS = ("n_layer", "n_head", "n_embd")
+
+
+def parse_variant(variant: str):
+    """`knowledge+n_embd=512+max_epochs=1000+dropout=0`: a base variant and overrides (for the ablations)."""
+    base, *options = variant.split("+")
+    model, training = {}, {}
+    for option in options:
+        key, value = option.split("=", 1)
+        if key == "dropout":
+            model.update(embd_pdrop=float(value), resid_pdrop=float(value), attn_pdrop=float(value))
+        elif key in MODEL_OPTIONS:
+            model[key] = int(value)
+        elif key == "max_epochs":
+            training[key] = int(value)
+        elif key == "learning_rate":
+            training[key] = float(value)
+        else:
+            raise ValueError(f"unknown variant option {key!r} in {variant!r}")
+    return base, model, training
+
+
 def run_one(variant, seed, files, output_dir, training, curve_every):
+    base, model_overrides, training_options = parse_variant(variant)
     common = {**training, "seed": seed, "overwrite_output_dir": True, "log_every": 50}
     root = output_dir / f"{variant}-seed{seed}"
     timings, row = {}, {"variant": variant, "seed": seed}
     start = time.perf_counter()
-    if variant == "vanilla-nopretrain":
+    if base == "vanilla-nopretrain":
         model, metrics = workflows.finetune(
             root / "finetuned", finetune_corpus_path=files["train"], pretrain_corpus_path=files["corpus"],
-            attention_type="vanilla", training_overrides=common,
+            attention_type="vanilla", model_overrides=model_overrides, training_overrides=common,
         )  # fmt: skip
         timings["finetune_s"] = metrics["train_seconds"]
     else:
-        recipe = "knowledge" if variant == "knowledge" else "handout"
-        pretrain_overrides = dict(common)
+        recipe = "knowledge" if base == "knowledge" else "handout"
+        pretrain_overrides = {**common, **training_options}
         if curve_every and seed == 0:
             pretrain_overrides.update(checkpointing_steps=f"epochs:{curve_every}", save_total_limit=1000)
         _, metrics = workflows.pretrain(
             root / "pretrained",
-            attention_type=None if recipe == "knowledge" else variant,
+            attention_type=None if recipe == "knowledge" else base,
             pretrain_corpus_path=files["corpus"],
             mixed_training_corpus_path=files["train"] if recipe == "knowledge" else None,
             recipe=recipe,
+            model_overrides=model_overrides,
             training_overrides=pretrain_overrides,
         )
         timings["pretrain_s"] = metrics["train_seconds"]
@@ -181,7 +205,7 @@ def main(argv=None):
         per_seed = " ".join(f"{a:.1f}" for a in accuracies)
         print(
             f"{variant:<20}{group[0]['parameters']:>11,}{len(group):>6}{statistics.mean(accuracies):>7.1f}%"
-            f"{spread:>6.1f}{per_seed:>22}{seconds:>9.0f}  {ANCHORS.get(variant, '')}"
+            f"{spread:>6.1f}{per_seed:>22}{seconds:>9.0f}  {ANCHORS.get(variant.split('+')[0], '')}"
         )
 
 
