@@ -294,7 +294,7 @@ def finetune(
             "recipe": recipe.name,
             "base_model": str(model_name_or_path) if model_name_or_path else None,
             "corpus_documents": corpus_documents,
-            "commands": commands + [command or command_line()],
+            "commands": commands + [c for c in [command or command_line()] if c not in commands],
         },
     )
     return _run(model, tokenizer, data, args, accelerator, card, push_to_hub, hub_model_id, hub_token)

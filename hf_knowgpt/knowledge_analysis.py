@@ -1,0 +1,115 @@
+"""Does the model know when it does not know? Calibration, selective accuracy and seen/unseen people.
+
+Every answer has a score: the model's probability of the whole answer with its closing ⁇ (`qa.Prediction`).
+This module turns scores and correctness into the quantities a user of a QA system needs:
+- accuracy against coverage (answer only the most confident fraction) and the area under that curve;
+- a reliability diagram and its expected calibration error (ECE);
+- the threshold that reaches a target accuracy, chosen on calibration questions (never on the evaluation set);
+- how well the score separates people the model read about from made-up people (AUROC).
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def selective_accuracy(scores, correct):
+    """Coverage (fraction answered, most confident first) and the accuracy among those answered."""
+    scores, correct = np.asarray(scores, dtype=float), np.asarray(correct, dtype=float)
+    order = np.argsort(-scores, kind="stable")
+    answered = np.arange(1, len(scores) + 1)
+    return answered / len(scores), np.cumsum(correct[order]) / answered
+
+
+def area_under_accuracy_coverage(scores, correct) -> float:
+    """Mean accuracy over all coverage levels: 1.0 when every correct answer outranks every wrong one;
+    the plain accuracy when scores carry no information."""
+    _, accuracy = selective_accuracy(scores, correct)
+    return float(accuracy.mean())
+
+
+@dataclass
+class ReliabilityBin:
+    low: float
+    high: float
+    count: int
+    confidence: float
+    accuracy: float
+
+
+def reliability(scores, correct, bins: int = 10):
+    """Equal-width bins of the score; (bins, expected calibration error)."""
+    scores, correct = np.asarray(scores, dtype=float), np.asarray(correct, dtype=float)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    table, error = [], 0.0
+    for index, (low, high) in enumerate(zip(edges[:-1], edges[1:])):
+        members = (scores >= low) & ((scores < high) if index < bins - 1 else (scores <= high))
+        if not members.any():
+            table.append(ReliabilityBin(low, high, 0, float("nan"), float("nan")))
+            continue
+        confidence, accuracy = scores[members].mean(), correct[members].mean()
+        error += members.mean() * abs(accuracy - confidence)
+        table.append(ReliabilityBin(low, high, int(members.sum()), float(confidence), float(accuracy)))
+    return table, float(error)
+
+
+@dataclass
+class Threshold:
+    value: float  # answer when score >= value
+    coverage: float
+    accuracy: float
+    reached: bool  # whether any threshold reached the target
+
+
+def threshold_for_accuracy(scores, correct, target: float) -> Threshold:
+    """The lowest score threshold whose answered questions are at least `target` accurate (most coverage)."""
+    scores, correct = np.asarray(scores, dtype=float), np.asarray(correct, dtype=float)
+    order = np.argsort(-scores, kind="stable")
+    sorted_scores = scores[order]
+    coverage, accuracy = selective_accuracy(scores, correct)
+    # A threshold can only cut between distinct scores: keep the last position of each run of ties.
+    cut = np.r_[sorted_scores[1:] < sorted_scores[:-1], True]
+    good = np.nonzero(cut & (accuracy >= target))[0]
+    if len(good) == 0:
+        best = int(np.argmax(np.where(cut, accuracy, -1)))
+        return Threshold(float(sorted_scores[best]), float(coverage[best]), float(accuracy[best]), False)
+    last = good[-1]
+    return Threshold(float(sorted_scores[last]), float(coverage[last]), float(accuracy[last]), True)
+
+
+def apply_threshold(scores, correct, threshold: float):
+    """(coverage, accuracy among answered) when answering only scores >= threshold."""
+    scores, correct = np.asarray(scores, dtype=float), np.asarray(correct, dtype=float)
+    answered = scores >= threshold
+    accuracy = float(correct[answered].mean()) if answered.any() else float("nan")
+    return float(answered.mean()), accuracy
+
+
+def auroc(positive_scores, negative_scores) -> float:
+    """Probability that a positive outranks a negative (ties count half): the Mann–Whitney statistic."""
+    positive, negative = np.asarray(positive_scores, dtype=float), np.asarray(negative_scores, dtype=float)
+    if len(positive) == 0 or len(negative) == 0:
+        return float("nan")
+    greater = (positive[:, None] > negative[None, :]).sum()
+    ties = (positive[:, None] == negative[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(positive) * len(negative)))
+
+
+def place_distribution(places, top: int = 10):
+    counts = Counter(places)
+    total = sum(counts.values())
+    return [(place, count, count / total) for place, count in counts.most_common(top)]
+
+
+__all__ = [
+    "ReliabilityBin",
+    "Threshold",
+    "apply_threshold",
+    "area_under_accuracy_coverage",
+    "auroc",
+    "place_distribution",
+    "reliability",
+    "selective_accuracy",
+    "threshold_for_accuracy",
+]

@@ -1,0 +1,139 @@
+"""Answer scores, abstention, and the knowledge report."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO_ROOT, tiny_config
+from transformers import pipeline
+
+import hf_knowgpt  # noqa: F401
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
+from hf_knowgpt.knowledge_analysis import (
+    apply_threshold,
+    area_under_accuracy_coverage,
+    auroc,
+    reliability,
+    selective_accuracy,
+    threshold_for_accuracy,
+)
+from hf_knowgpt.qa import predict_birthplaces
+
+CORPUS = "Where was born?⁇ Ada Lovelace Alan Turing London Paris Rome abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    tokenizer = KnowGPTTokenizerFast.from_corpus(CORPUS)
+    torch.manual_seed(3)
+    model = KnowGPTForCausalLM(tiny_config(vocab_size=len(tokenizer), block_size=64, n_embd=32, n_head=4)).eval()
+    with torch.no_grad():  # raise the closing ⁇'s logit by about 1.6, so answers end at different lengths
+        model.transformer.ln_f.bias.fill_(0.5)
+        model.lm_head.weight[1] += 0.1
+    return model, tokenizer
+
+
+@torch.no_grad()
+def independent_score(model, tokenizer, question, max_new_tokens):
+    """Greedy decoding without the cache, one full forward per character; product of softmax probabilities."""
+    ids = tokenizer(question + "⁇")["input_ids"]
+    probability, generated = 1.0, []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0, -1]
+        probabilities = torch.softmax(logits.double(), dim=-1)
+        token = int(probabilities.argmax())
+        probability *= float(probabilities[token])
+        generated.append(token)
+        if token == 1:  # the closing ⁇ is part of the scored answer
+            break
+    return probability, generated
+
+
+@pytest.mark.parametrize("max_new_tokens", [4, 12])
+def test_score_is_the_product_of_the_greedy_characters_probabilities(model_and_tokenizer, max_new_tokens):
+    model, tokenizer = model_and_tokenizer
+    questions = ["Where was Ada Lovelace born?", "Where was Alan Turing born?", "Where was Ada born?"]
+    predictions = predict_birthplaces(model, tokenizer, questions, batch_size=2, max_new_tokens=max_new_tokens)
+    for question, prediction in zip(questions, predictions):
+        expected, generated = independent_score(model, tokenizer, question, max_new_tokens)
+        closed = 1 in generated
+        assert prediction.closed == closed
+        assert prediction.answer == tokenizer.decode(generated[: generated.index(1)] if closed else generated)
+        assert math.isclose(prediction.score, expected, rel_tol=1e-4)
+        assert math.isclose(prediction.log_probability, math.log(expected), rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_pipeline_abstains_below_the_threshold_and_keeps_the_best_guess(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    qa = pipeline("birthplace-qa", model=str(tmp_path))
+    questions = ["Ada Lovelace", "Alan Turing", "Where was Ada born?"]
+    plain = qa(questions)
+    scores = sorted(r["score"] for r in plain)
+    threshold = (scores[0] + scores[1]) / 2
+    results = qa(questions, threshold=threshold)
+    for before, after in zip(plain, results):
+        assert after["score"] == before["score"]
+        if before["score"] < threshold:
+            assert after["abstained"] and after["answer"] is None and after["best_guess"] == before["answer"]
+        else:
+            assert not after["abstained"] and after["answer"] == before["answer"]
+    assert sum(r["abstained"] for r in results) == 1
+    with pytest.raises(ValueError, match="threshold"):
+        qa("Ada Lovelace", threshold=1.5)
+
+
+def test_selective_accuracy_threshold_calibration_and_auroc_on_known_cases():
+    scores = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    correct = np.array([1, 1, 0, 1, 0, 0])
+    coverage, accuracy = selective_accuracy(scores, correct)
+    assert np.allclose(coverage, [1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, 1])
+    assert np.allclose(accuracy, [1, 1, 2 / 3, 3 / 4, 3 / 5, 1 / 2])
+    assert area_under_accuracy_coverage(scores, correct) == pytest.approx(np.mean(accuracy))
+    threshold = threshold_for_accuracy(scores, correct, 0.75)
+    assert threshold.reached and threshold.value == 0.6 and threshold.coverage == pytest.approx(4 / 6)
+    assert apply_threshold(scores, correct, 0.6) == (pytest.approx(4 / 6), 0.75)
+    assert not threshold_for_accuracy(scores, np.zeros(6), 0.5).reached
+    bins, ece = reliability(np.array([0.95, 0.95, 0.15, 0.15]), np.array([1, 1, 0, 0]))
+    assert ece == pytest.approx(0.5 * 0.05 + 0.5 * 0.15)
+    assert [b.count for b in bins if b.count] == [2, 2]
+    assert auroc([0.9, 0.8], [0.1, 0.2]) == 1.0 and auroc([0.5], [0.5]) == 0.5 and auroc([0.1], [0.9]) == 0.0
+
+
+def test_knowledge_report_end_to_end_on_the_synthetic_corpus(tmp_path):
+    from data_loaders import write_synthetic_corpus
+
+    files = write_synthetic_corpus(tmp_path / "synthetic", num_people=60, seed=0)
+    model_dir = tmp_path / "model"
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "finetune.py"), "--pretrain_corpus_path", str(files.corpus),
+         "--finetune_corpus_path", str(files.train), "--output_dir", str(model_dir), "--max_epochs", "2",
+         "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"],
+        check=True, capture_output=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    calibration = tmp_path / "calibration.tsv"
+    calibration.write_text("".join(files.train.read_text().splitlines(keepends=True)[-10:]))
+    report = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "analyze_knowledge.py"), "--model_name_or_path", str(model_dir),
+         "--eval_corpus_path", str(files.dev), "--calibration_corpus_path", str(calibration),
+         "--pretrain_corpus_path", str(files.corpus), "--train_corpus_path", str(files.train),
+         "--output_dir", str(report), "--num_unseen", "40"],
+        capture_output=True, text=True, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["eval_questions"] == 12 and summary["unseen_people"] == 40
+    assert 0.0 <= summary["auroc_seen_vs_unseen"] <= 1.0 and 0.0 <= summary["expected_calibration_error"] <= 1.0
+    text = (report / "report.md").read_text()
+    for plot in ("accuracy_coverage.png", "reliability.png", "seen_unseen_scores.png"):
+        assert (report / plot).stat().st_size > 1000 and plot in text
+    assert "made up" in text and "| name style |" in text
+    corpus_text = files.corpus.read_text()
+    unseen_names = [line.split("Where was ")[1].split(" born?")[0] for line in text.splitlines() if "made up" in line]
+    assert unseen_names and not any(name in corpus_text for name in unseen_names)
