@@ -85,3 +85,14 @@ def training_overrides(args) -> dict:
 
 def synthetic_size(args) -> dict:
     return {"num_people": args.num_people} if args.num_people else {}
+
+
+def run_training(function, *args, **kwargs):
+    """Run a training workflow; a run stopped by SIGINT/SIGTERM (checkpoint saved) exits with 128 + signal."""
+    from .workflows import TrainingInterrupted
+
+    try:
+        return function(*args, **kwargs)
+    except TrainingInterrupted as stopped:
+        print(f"{stopped}: resume with --resume_from_checkpoint latest")
+        raise SystemExit(128 + stopped.signal_number) from None

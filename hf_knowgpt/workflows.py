@@ -68,6 +68,19 @@ def corpus_tokenizer(corpus_path) -> KnowGPTTokenizerFast:
     )
 
 
+def new_model(tokenizer, recipe: Recipe, attention_type=None, model_overrides=None, seed=None) -> KnowGPTForCausalLM:
+    """A freshly initialized model (seeded) with the recipe's sizes, overridden where given."""
+    values = {**recipe.model, **{k: v for k, v in (model_overrides or {}).items() if v is not None}}
+    config = KnowGPTConfig(
+        vocab_size=len(tokenizer),
+        attention_type=attention_type or recipe.attention_type,
+        unk_token_id=tokenizer.unk_token_id,
+        **values,
+    )
+    set_seed(seed or 0)  # the initial weights
+    return KnowGPTForCausalLM(config)
+
+
 def default_data(num_people: int = DEFAULT_NUM_PEOPLE):
     return synthetic_corpus_files(num_people)
 
@@ -189,15 +202,10 @@ def pretrain(
         mixed_training_corpus_path = default_data(num_people).train
     documents = load_corpus(corpus_path)["train"]["text"]
     tokenizer = corpus_tokenizer(corpus_path)
-    model_values = {**recipe.model, **{k: v for k, v in (model_overrides or {}).items() if v is not None}}
-    config = KnowGPTConfig(
-        vocab_size=len(tokenizer), attention_type=attention_type, unk_token_id=tokenizer.unk_token_id, **model_values
-    )
-    block_size = config.block_size
+    model = new_model(tokenizer, recipe, attention_type, model_overrides, (training_overrides or {}).get("seed"))
+    block_size = model.config.block_size
     args = _training_arguments(recipe.pretrain, output_dir, len(documents), block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
-    set_seed(args.seed)  # the initial weights
-    model = KnowGPTForCausalLM(config)
     data = PretrainingData(*encode_documents(tokenizer, documents, block_size, str(corpus_path)), block_size)
     data_description = f"span corruption on `{corpus_path.name}` ({len(documents)} documents)"
     if mixed_training_corpus_path:
@@ -266,16 +274,7 @@ def finetune(
         description = f"Pretrained, then finetuned on `{finetune_path.name}` from `{model_name_or_path}`."
     else:
         tokenizer = corpus_tokenizer(corpus_path)
-        attention_type = attention_type or recipe.attention_type
-        model_values = {**recipe.model, **{k: v for k, v in (model_overrides or {}).items() if v is not None}}
-        config = KnowGPTConfig(
-            vocab_size=len(tokenizer),
-            attention_type=attention_type,
-            unk_token_id=tokenizer.unk_token_id,
-            **model_values,
-        )
-        set_seed((training_overrides or {}).get("seed") or 0)  # the initial weights
-        model = KnowGPTForCausalLM(config)
+        model = new_model(tokenizer, recipe, attention_type, model_overrides, (training_overrides or {}).get("seed"))
         stage = recipe.finetune_scratch
         commands = []
         description = (

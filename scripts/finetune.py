@@ -17,6 +17,7 @@ from hf_knowgpt.cli import (
     add_model_arguments,
     add_training_arguments,
     model_overrides,
+    run_training,
     synthetic_size,
     training_overrides,
 )
@@ -47,15 +48,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        _finetune(args)
-    except workflows.TrainingInterrupted as stopped:
-        print(f"{stopped}: resume with --resume_from_checkpoint latest")
-        raise SystemExit(128 + stopped.signal_number) from None
-
-
-def _finetune(args):
-    workflows.finetune(
+    run_training(
+        workflows.finetune,
         args.output_dir,
         model_name_or_path=args.model_name_or_path,
         finetune_corpus_path=args.finetune_corpus_path,

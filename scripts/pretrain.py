@@ -17,6 +17,7 @@ from hf_knowgpt.cli import (
     add_model_arguments,
     add_training_arguments,
     model_overrides,
+    run_training,
     synthetic_size,
     training_overrides,
 )
@@ -41,15 +42,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        _pretrain(args)
-    except workflows.TrainingInterrupted as stopped:
-        print(f"{stopped}: resume with --resume_from_checkpoint latest")
-        raise SystemExit(128 + stopped.signal_number) from None
-
-
-def _pretrain(args):
-    workflows.pretrain(
+    run_training(
+        workflows.pretrain,
         args.output_dir,
         attention_type=args.attention_type,
         pretrain_corpus_path=args.pretrain_corpus_path,
