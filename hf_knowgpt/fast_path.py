@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_loaders.encoding import collate_handout_pairs
 
-from .training import packed_token_index
+from .training import TrainingBatch, packed_token_index
 
 TRAINING_PATHS = ("auto", "graphed", "eager", "plain")
 
@@ -115,7 +115,7 @@ class PlainStepper(EagerStepper):
             input_ids, labels = collated["input_ids"].to(device), collated["labels"].to(device)
             lengths = torch.full((input_ids.shape[0],), input_ids.shape[1])
             trained = (collated["labels"][:, 1:] != -100).sum(1)
-            batch = trainer.batch_type(input_ids, labels, lengths, trained)
+            batch = TrainingBatch(input_ids, labels, lengths, trained)
             self.loss_sum += trainer.optimizer_step(
                 batch, trainer.accelerator.process_index, trainer.accelerator.num_processes, packed=False
             )

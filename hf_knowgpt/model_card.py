@@ -5,13 +5,14 @@ its accuracy to the card (and to the Hub `model-index`) without losing anything.
 """
 
 import json
-import os
 import platform
 from importlib import resources
 from pathlib import Path
 
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .training import write_text_atomic
 
 CARD_FACTS = "knowgpt_card.json"
 
@@ -60,10 +61,8 @@ def write_model_card(directory, facts: dict) -> None:
     """Write README.md and the facts behind it into `directory` (each file atomically)."""
     directory = Path(directory)
     card = render_model_card(facts)
-    for name, text in ((CARD_FACTS, json.dumps(facts, indent=2, default=str) + "\n"), ("README.md", str(card))):
-        staging = directory / f".staging-{name}.{os.getpid()}"
-        staging.write_text(text, encoding="utf-8")
-        os.replace(staging, directory / name)
+    write_text_atomic(directory / CARD_FACTS, json.dumps(facts, indent=2, default=str) + "\n")
+    write_text_atomic(directory / "README.md", str(card))
 
 
 def read_card_facts(directory) -> dict | None:

@@ -314,11 +314,16 @@ def validate_checkpoint(path) -> dict:
         raise ValueError(f"checkpoint {path} is corrupt: {TRAINER_STATE} is unreadable ({error})") from error
 
 
-def write_json_atomic(path, payload):
+def write_text_atomic(path, text: str):
+    """Write a file beside its final name and rename it into place: a reader never sees half of it."""
     path = Path(path)
     staging = path.with_name(f"{STAGING_PREFIX}{path.name}.{os.getpid()}")
-    staging.write_text(json.dumps(payload, indent=2, default=str) + "\n", encoding="utf-8")
+    staging.write_text(text, encoding="utf-8")
     os.replace(staging, path)
+
+
+def write_json_atomic(path, payload):
+    write_text_atomic(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 class _StopRequested:
@@ -495,8 +500,6 @@ class KnowGPTTrainer:
         return bool(self.args.checkpointing_steps) and global_step % self._checkpoint_every() == 0
 
     # -- the loop ------------------------------------------------------------------------------------------
-    batch_type = TrainingBatch
-
     def batch_indices(self, global_step: int) -> torch.Tensor:
         """The examples of a step: the handouts' batches in file order (or this epoch's shuffled order)."""
         epoch, step_in_epoch = divmod(global_step, self.steps_per_epoch)

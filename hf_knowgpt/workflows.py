@@ -31,7 +31,15 @@ from .modeling_knowgpt import KnowGPTForCausalLM
 from .qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, load_metric, predict_birthplaces
 from .recipes import Recipe, StageRecipe, get_recipe
 from .tokenization_knowgpt import KnowGPTTokenizerFast
-from .training import FinetuningData, KnowGPTTrainer, MixedData, PretrainingData, TrainingArguments, make_accelerator
+from .training import (
+    FinetuningData,
+    KnowGPTTrainer,
+    MixedData,
+    PretrainingData,
+    TrainingArguments,
+    make_accelerator,
+    write_text_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -332,10 +340,10 @@ def evaluate_birthplaces(
     if outputs_path:
         outputs_path = Path(outputs_path)
         outputs_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(outputs_path, "".join(p.answer + "\n" for p in predictions))
+        write_text_atomic(outputs_path, "".join(p.answer + "\n" for p in predictions))
         if write_scores:
             scores = "".join(f"{p.score:.6g}\t{p.log_probability:.6f}\t{int(p.closed)}\n" for p in predictions)
-            _write_atomic(scores_path(outputs_path), "score\tlog_probability\tclosed\n" + scores)
+            write_text_atomic(scores_path(outputs_path), "score\tlog_probability\tclosed\n" + scores)
     result["predictions"] = [p.answer for p in predictions]
     result["scores"] = [p.score for p in predictions]
     if all(answer is not None for answer in records["answer"]):
@@ -344,7 +352,7 @@ def evaluate_birthplaces(
         result["message"] = format_accuracy(metric["correct"], metric["total"])
         if outputs_path:
             metrics_file = outputs_path.with_name(outputs_path.name + ".metrics.json")
-            _write_atomic(
+            write_text_atomic(
                 metrics_file,
                 json.dumps({k: result[k] for k in ("eval_file", "accuracy", "correct", "total")}, indent=2),
             )
@@ -387,9 +395,9 @@ def london_baseline(
     if outputs_path:
         outputs_path = Path(outputs_path)
         outputs_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(outputs_path, "".join(p + "\n" for p in predictions))
+        write_text_atomic(outputs_path, "".join(p + "\n" for p in predictions))
         metrics_file = outputs_path.with_name(outputs_path.name + ".metrics.json")
-        _write_atomic(
+        write_text_atomic(
             metrics_file,
             json.dumps({k: result[k] for k in ("eval_file", "place", "accuracy", "correct", "total")}, indent=2),
         )
@@ -399,12 +407,6 @@ def london_baseline(
 def scores_path(outputs_path) -> Path:
     outputs_path = Path(outputs_path)
     return outputs_path.with_name(outputs_path.name + ".scores.tsv")
-
-
-def _write_atomic(path: Path, text: str):
-    staging = path.with_name(f".staging-{path.name}.{os.getpid()}")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
 
 
 __all__ = [
