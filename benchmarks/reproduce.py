@@ -63,10 +63,12 @@ MODEL_OPTIONS = ("n_layer", "n_head", "n_embd")
 def parse_variant(variant: str):
     """`knowledge+n_embd=512+max_epochs=1000+dropout=0`: a base variant and overrides (for the ablations)."""
     base, *options = variant.split("+")
-    model, training = {}, {}
+    model, training, data = {}, {}, {}
     for option in options:
         key, value = option.split("=", 1)
-        if key == "dropout":
+        if key == "min_trunc":
+            data["min_truncation_length"] = int(value)
+        elif key == "dropout":
             model.update(embd_pdrop=float(value), resid_pdrop=float(value), attn_pdrop=float(value))
         elif key in MODEL_OPTIONS:
             model[key] = int(value)
@@ -76,11 +78,11 @@ def parse_variant(variant: str):
             training[key] = float(value)
         else:
             raise ValueError(f"unknown variant option {key!r} in {variant!r}")
-    return base, model, training
+    return base, model, training, data
 
 
 def run_one(variant, seed, files, output_dir, training, curve_every):
-    base, model_overrides, training_options = parse_variant(variant)
+    base, model_overrides, training_options, data_options = parse_variant(variant)
     common = {**training, "seed": seed, "overwrite_output_dir": True, "log_every": 50}
     root = output_dir / f"{variant}-seed{seed}"
     timings, row = {}, {"variant": variant, "seed": seed}
@@ -104,6 +106,7 @@ def run_one(variant, seed, files, output_dir, training, curve_every):
             recipe=recipe,
             model_overrides=model_overrides,
             training_overrides=pretrain_overrides,
+            **data_options,
         )
         timings["pretrain_s"] = metrics["train_seconds"]
         timings["pretrain_warmup_s"] = metrics.get("warmup_seconds", 0.0)
@@ -116,6 +119,9 @@ def run_one(variant, seed, files, output_dir, training, curve_every):
         timings["finetune_s"] = finetune_metrics["train_seconds"]
         if curve_every and seed == 0:
             row["accuracy_by_epoch"] = accuracy_by_epoch(root, files, recipe, common)
+        if not files.get("test"):  # choosing hyperparameters: is the finetuning stage worth having?
+            pretrained = workflows.evaluate_birthplaces(root / "pretrained", eval_corpus_path=files["eval"])
+            row["pretrained_accuracy"] = 100.0 * pretrained["accuracy"]
     start_eval = time.perf_counter()
     scored = workflows.evaluate_birthplaces(
         root / "finetuned", eval_corpus_path=files["eval"], outputs_path=root / "eval.predictions"

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from .span_corruption import MASK_ID, PAD_ID, pack_documents, span_corrupt
+from .span_corruption import MASK_ID, MIN_DOCUMENT_LENGTH, PAD_ID, pack_documents, span_corrupt
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +75,19 @@ def collate_handout_pairs(pairs):
     return {"input_ids": input_ids, "labels": labels}
 
 
-def span_corruption_transform(tokenizer, block_size: int, generator: torch.Generator | None = None):
+def span_corruption_transform(
+    tokenizer,
+    block_size: int,
+    generator: torch.Generator | None = None,
+    min_truncation_length: int = MIN_DOCUMENT_LENGTH,
+):
     """A `Dataset.with_transform` function: each access corrupts the `text` rows afresh (new spans every epoch)."""
 
     def transform(batch):
         documents, lengths = encode_documents(tokenizer, batch["text"], block_size)
-        corrupted = span_corrupt(documents, lengths, block_size, generator=generator)
+        corrupted = span_corrupt(
+            documents, lengths, block_size, generator=generator, min_truncation_length=min_truncation_length
+        )
         return {"input_ids": corrupted.input_ids, "labels": corrupted.labels()}
 
     return transform

@@ -6,6 +6,8 @@ the *pretraining* corpus, as the handouts write it (`final_tokens = k · len(pre
 
 from dataclasses import dataclass, field
 
+from data_loaders.span_corruption import MIN_DOCUMENT_LENGTH
+
 
 @dataclass(frozen=True)
 class StageRecipe:
@@ -26,6 +28,7 @@ class Recipe:
     finetune_scratch: StageRecipe
     attention_type: str = "vanilla"  # used when no --attention_type is given
     mixed_training: bool = False  # question–answer examples of the training people join pretraining
+    min_truncation_length: int = MIN_DOCUMENT_LENGTH  # span corruption's shortest truncation (handout: 4)
 
 
 HANDOUT = Recipe(

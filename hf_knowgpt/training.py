@@ -31,7 +31,14 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 
-from data_loaders.span_corruption import corruption_plan, draw_uniforms, max_truncation_length, span_corrupt
+from data_loaders.span_corruption import (
+    MIN_DOCUMENT_LENGTH,
+    check_min_truncation_length,
+    corruption_plan,
+    draw_uniforms,
+    max_truncation_length,
+    span_corrupt,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +94,15 @@ class TrainingBatch:
 class PretrainingData:
     """Span-corrupted documents, generated a batch at a time on the data's device."""
 
-    def __init__(self, documents: torch.Tensor, lengths: torch.Tensor, block_size: int):
+    def __init__(
+        self,
+        documents: torch.Tensor,
+        lengths: torch.Tensor,
+        block_size: int,
+        min_truncation_length: int = MIN_DOCUMENT_LENGTH,
+    ):
         self.documents, self.lengths, self.block_size = documents, lengths, block_size
+        self.min_truncation_length = check_min_truncation_length(min_truncation_length, block_size)
         self.host_lengths = lengths.cpu()
 
     @property
@@ -107,13 +121,21 @@ class PretrainingData:
     def plan(self, indices: torch.Tensor, generator: torch.Generator):
         """Host side of a step: (example lengths, uniforms), drawn exactly as `batch` draws them."""
         uniforms = draw_uniforms(len(indices), generator)
-        truncated, _, _ = corruption_plan(self.host_lengths[indices], uniforms, self.block_size)
+        truncated, _, _ = corruption_plan(
+            self.host_lengths[indices], uniforms, self.block_size, self.min_truncation_length
+        )
         return truncated + 2, uniforms
 
     def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
         """(input_ids, labels) built on the device, for captured steps; without `uniforms` the randomness
         comes from the device's default generator."""
-        corrupted = span_corrupt(self.documents[indices], self.lengths[indices], self.block_size, uniforms=uniforms)
+        corrupted = span_corrupt(
+            self.documents[indices],
+            self.lengths[indices],
+            self.block_size,
+            uniforms=uniforms,
+            min_truncation_length=self.min_truncation_length,
+        )
         labels = corrupted.labels()[:, :seq_len].masked_fill(~valid[:, None], -100)
         return corrupted.input_ids[:, :seq_len], labels
 
@@ -122,7 +144,11 @@ class PretrainingData:
         lengths, uniforms = self.plan(indices, generator)
         device_indices = indices.to(self.documents.device)
         corrupted = span_corrupt(
-            self.documents[device_indices], self.lengths[device_indices], self.block_size, uniforms=uniforms
+            self.documents[device_indices],
+            self.lengths[device_indices],
+            self.block_size,
+            uniforms=uniforms,
+            min_truncation_length=self.min_truncation_length,
         )
         return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, lengths - 1)
 
@@ -668,7 +694,10 @@ class KnowGPTTrainer:
 
 def _progress_bar(total, initial, disable):
     from tqdm.auto import tqdm
+    from transformers.utils import logging as transformers_logging
 
+    # HF_HUB_DISABLE_PROGRESS_BARS=1 (or transformers' disable_progress_bar()) silences it, as for 🤗's own bars.
+    disable = disable or not transformers_logging.is_progress_bar_enabled()
     return tqdm(total=total, initial=initial, disable=disable, desc="training", dynamic_ncols=True)
 
 

@@ -23,6 +23,7 @@ from data_loaders import (
     load_corpus,
     synthetic_corpus_files,
 )
+from data_loaders.span_corruption import MIN_DOCUMENT_LENGTH
 from data_loaders.synthetic import DEFAULT_NUM_PEOPLE
 
 from .configuration_knowgpt import KnowGPTConfig
@@ -195,9 +196,11 @@ def pretrain(
     hub_model_id: str | None = None,
     hub_token: str | None = None,
     command: str | None = None,
+    min_truncation_length: int | None = None,
 ):
     """Pretrain with span corruption on `pretrain_corpus_path` (default: the synthetic corpus); with mixed
-    training (the knowledge recipe), the questions of `mixed_training_corpus_path` join every epoch."""
+    training (the knowledge recipe), the questions of `mixed_training_corpus_path` join every epoch.
+    `min_truncation_length` (default: the recipe's) is the shortest prefix of a document an example reads."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
     attention_type = attention_type or recipe.attention_type
     corpus_path = Path(pretrain_corpus_path) if pretrain_corpus_path else default_data(num_people).corpus
@@ -214,8 +217,13 @@ def pretrain(
     block_size = model.config.block_size
     args = _training_arguments(recipe.pretrain, output_dir, len(documents), block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
-    data = PretrainingData(*encode_documents(tokenizer, documents, block_size, str(corpus_path)), block_size)
+    min_truncation_length = min_truncation_length or recipe.min_truncation_length
+    data = PretrainingData(
+        *encode_documents(tokenizer, documents, block_size, str(corpus_path)), block_size, min_truncation_length
+    )
     data_description = f"span corruption on `{corpus_path.name}` ({len(documents)} documents)"
+    if min_truncation_length != MIN_DOCUMENT_LENGTH:
+        data_description += f", documents truncated to at least {min_truncation_length} characters"
     if mixed_training_corpus_path:
         questions = _birthplace_examples(tokenizer, mixed_training_corpus_path, block_size)
         data = MixedData(data, questions)

@@ -33,6 +33,12 @@ def parse_args(argv=None):
         default=None,
         help="question TAB place lines mixed into every pretraining epoch (the knowledge recipe's mixed training)",
     )
+    parser.add_argument(
+        "--min_truncation_length",
+        type=int,
+        default=None,
+        help="shortest document prefix an example reads (handout: 4; knowledge recipe: 112, the whole ⌊7B/8⌋)",
+    )
     add_model_arguments(parser)
     add_training_arguments(parser)
     args = parser.parse_args(argv)
@@ -48,6 +54,7 @@ def main(argv=None):
         attention_type=args.attention_type,
         pretrain_corpus_path=args.pretrain_corpus_path,
         mixed_training_corpus_path=args.mixed_training_corpus_path,
+        min_truncation_length=args.min_truncation_length,
         recipe=args.recipe,
         model_overrides=model_overrides(args),
         training_overrides=training_overrides(args),

@@ -91,6 +91,26 @@ def test_every_truncation_length_occurs_on_long_documents():
     assert set((corrupted.lengths - 2).tolist()) == set(range(4, 113))
 
 
+def test_min_truncation_length_raises_the_shortest_cut_and_keeps_the_format():
+    documents = synthetic_long_documents()
+    tokenizer = KnowGPTTokenizerFast.from_corpus("\n".join(documents))
+    matrix, lengths = pack_documents(tokenizer(documents)["input_ids"], BLOCK)
+    default = span_corrupt(matrix, lengths, BLOCK, torch.Generator().manual_seed(3))
+    explicit = span_corrupt(matrix, lengths, BLOCK, torch.Generator().manual_seed(3), min_truncation_length=4)
+    assert torch.equal(default.input_ids, explicit.input_ids)  # 4 is the handouts' draw, unchanged
+    rows = torch.arange(6000) % len(documents)
+    raised = span_corrupt(
+        matrix[rows], lengths[rows], BLOCK, torch.Generator().manual_seed(3), min_truncation_length=100
+    )
+    assert set((raised.lengths - 2).tolist()) == set(range(100, 113))
+    whole = span_corrupt(
+        matrix[rows], lengths[rows], BLOCK, torch.Generator().manual_seed(3), min_truncation_length=112
+    )
+    assert (whole.lengths == 114).all() and ((whole.input_ids == MASK_ID).sum(dim=1) == 2).all()
+    with pytest.raises(ValueError, match="min_truncation_length must lie in 4..112"):
+        span_corrupt(matrix, lengths, BLOCK, torch.Generator(), min_truncation_length=113)
+
+
 def test_short_documents_stay_whole():
     documents = ["abcd", "abcdefgh"]
     _, sources, corrupted = corrupt_many(documents, 400)

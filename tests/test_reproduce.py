@@ -35,10 +35,13 @@ def test_reproduction_script_runs_every_kind_of_variant(tmp_path):
     assert "vanilla-nopretrain" in result.stdout.split("exact match on birth_dev.tsv")[1]
 
     heldout = subprocess.run(
-        command[:command.index("--variants")] + ["--variants", "vanilla", "--seeds", "0", "--max_epochs", "1",
+        command[:command.index("--variants")] + ["--variants", "knowledge+min_trunc=100", "--seeds", "0", "--max_epochs", "1",
                                                    "--heldout", "6", "--output_dir", str(tmp_path / "held")],
         capture_output=True, text=True, cwd=REPO_ROOT,
     )  # fmt: skip
     assert heldout.returncode == 0, heldout.stderr[-3000:]
     assert "the last 6 training questions (held out)" in heldout.stdout
     assert '"total": 6' in heldout.stdout
+    assert '"pretrained_accuracy"' in heldout.stdout  # the finetuning stage's worth, on held-out questions
+    card = (tmp_path / "held" / "knowledge+min_trunc=100-seed0" / "pretrained" / "README.md").read_text()
+    assert "truncated to at least 100 characters" in card
