@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_knowgpt import workflows  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
+from hf_knowgpt.recipes import get_recipe  # noqa: E402
 from hf_knowgpt.training import list_checkpoints  # noqa: E402
 
 # Exact match on birth_dev.tsv reported by the handouts and public solutions (the issue's anchors).
@@ -61,12 +62,15 @@ MODEL_OPTIONS = ("n_layer", "n_head", "n_embd")
 
 
 def parse_variant(variant: str):
-    """`knowledge+n_embd=512+max_epochs=1000+dropout=0`: a base variant and overrides (for the ablations)."""
+    """`knowledge+n_embd=512+max_epochs=1000+dropout=0+min_trunc=4+finetune=handout`: a base variant and
+    overrides (for the ablations)."""
     base, *options = variant.split("+")
-    model, training, data = {}, {}, {}
+    model, training, data, finetune = {}, {}, {}, {}
     for option in options:
         key, value = option.split("=", 1)
-        if key == "min_trunc":
+        if key == "finetune":  # finetune=handout: the handouts' finetuning after any pretraining
+            finetune["finetune"] = get_recipe(value).name
+        elif key == "min_trunc":
             data["min_truncation_length"] = int(value)
         elif key == "dropout":
             model.update(embd_pdrop=float(value), resid_pdrop=float(value), attn_pdrop=float(value))
@@ -78,11 +82,11 @@ def parse_variant(variant: str):
             training[key] = float(value)
         else:
             raise ValueError(f"unknown variant option {key!r} in {variant!r}")
-    return base, model, training, data
+    return base, model, training, data, finetune
 
 
 def run_one(variant, seed, files, output_dir, training, curve_every):
-    base, model_overrides, training_options, data_options = parse_variant(variant)
+    base, model_overrides, training_options, data_options, finetune_options = parse_variant(variant)
     common = {**training, "seed": seed, "overwrite_output_dir": True, "log_every": 50}
     root = output_dir / f"{variant}-seed{seed}"
     timings, row = {}, {"variant": variant, "seed": seed}
@@ -93,12 +97,13 @@ def run_one(variant, seed, files, output_dir, training, curve_every):
             attention_type="vanilla", model_overrides=model_overrides, training_overrides=common,
         )  # fmt: skip
         timings["finetune_s"] = metrics["train_seconds"]
+        answerer = root / "finetuned"
     else:
         recipe = "knowledge" if base == "knowledge" else "handout"
         pretrain_overrides = {**common, **training_options}
         if curve_every and seed == 0:
             pretrain_overrides.update(checkpointing_steps=f"epochs:{curve_every}", save_total_limit=1000)
-        _, metrics = workflows.pretrain(
+        model, metrics = workflows.pretrain(
             root / "pretrained",
             attention_type=None if recipe == "knowledge" else base,
             pretrain_corpus_path=files["corpus"],
@@ -112,24 +117,28 @@ def run_one(variant, seed, files, output_dir, training, curve_every):
         timings["pretrain_warmup_s"] = metrics.get("warmup_seconds", 0.0)
         row["final_pretrain_loss"] = metrics["final_loss"]
         row["loss_curve"] = metrics["loss_curve"]
-        model, finetune_metrics = workflows.finetune(
-            root / "finetuned", model_name_or_path=root / "pretrained", finetune_corpus_path=files["train"],
-            recipe=recipe, training_overrides=common,
-        )  # fmt: skip
-        timings["finetune_s"] = finetune_metrics["train_seconds"]
+        answerer, finetune_recipe = root / "pretrained", finetune_options.get("finetune", recipe)
+        timings["finetune_s"] = 0.0
+        if get_recipe(finetune_recipe).finetune_pretrained is not None:
+            answerer = root / "finetuned"
+            model, finetune_metrics = workflows.finetune(
+                answerer, model_name_or_path=root / "pretrained", finetune_corpus_path=files["train"],
+                recipe=finetune_recipe, training_overrides=common,
+            )  # fmt: skip
+            timings["finetune_s"] = finetune_metrics["train_seconds"]
+            if not files.get("test"):  # choosing hyperparameters: is the finetuning stage worth having?
+                pretrained = workflows.evaluate_birthplaces(root / "pretrained", eval_corpus_path=files["eval"])
+                row["pretrained_accuracy"] = 100.0 * pretrained["accuracy"]
         if curve_every and seed == 0:
-            row["accuracy_by_epoch"] = accuracy_by_epoch(root, files, recipe, common)
-        if not files.get("test"):  # choosing hyperparameters: is the finetuning stage worth having?
-            pretrained = workflows.evaluate_birthplaces(root / "pretrained", eval_corpus_path=files["eval"])
-            row["pretrained_accuracy"] = 100.0 * pretrained["accuracy"]
+            row["accuracy_by_epoch"] = accuracy_by_epoch(root, files, finetune_recipe, common)
     start_eval = time.perf_counter()
     scored = workflows.evaluate_birthplaces(
-        root / "finetuned", eval_corpus_path=files["eval"], outputs_path=root / "eval.predictions"
+        answerer, eval_corpus_path=files["eval"], outputs_path=root / "eval.predictions"
     )
     timings["eval_s"] = time.perf_counter() - start_eval
     if files.get("test"):
         workflows.evaluate_birthplaces(
-            root / "finetuned", eval_corpus_path=files["test"], outputs_path=root / "test.predictions"
+            answerer, eval_corpus_path=files["test"], outputs_path=root / "test.predictions"
         )
     row.update(
         timings,
@@ -145,15 +154,18 @@ def run_one(variant, seed, files, output_dir, training, curve_every):
 
 
 def accuracy_by_epoch(root, files, recipe, common):
-    """Finetune every saved pretraining checkpoint and score it: accuracy against pretraining epochs."""
+    """Finetune (when the recipe does) every saved pretraining checkpoint and score it: accuracy against
+    pretraining epochs."""
     points = []
     for checkpoint in list_checkpoints(root / "pretrained"):
         epoch = json.loads((checkpoint / "trainer_state.json").read_text())["epoch"]
-        target = root / f"curve-{checkpoint.name}"
-        workflows.finetune(
-            target, model_name_or_path=checkpoint, finetune_corpus_path=files["train"], recipe=recipe,
-            training_overrides=common,
-        )  # fmt: skip
+        target = checkpoint
+        if get_recipe(recipe).finetune_pretrained is not None:
+            target = root / f"curve-{checkpoint.name}"
+            workflows.finetune(
+                target, model_name_or_path=checkpoint, finetune_corpus_path=files["train"], recipe=recipe,
+                training_overrides=common,
+            )  # fmt: skip
         scored = workflows.evaluate_birthplaces(target, eval_corpus_path=files["eval"])
         points.append({"epoch": round(epoch), "accuracy": 100.0 * scored["accuracy"]})
     return points

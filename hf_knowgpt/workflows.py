@@ -262,6 +262,11 @@ def finetune(
 ):
     """Finetune on birthplace questions, from `model_name_or_path` or (when None) from scratch."""
     recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if model_name_or_path and recipe.finetune_pretrained is None:
+        raise ValueError(
+            f"recipe {recipe.name!r} has no finetuning stage: its pretrained checkpoint answers the questions "
+            f"as it is (evaluate {model_name_or_path} directly), or pass --recipe handout to finetune anyway"
+        )
     synthetic = default_data(num_people)
     finetune_path = Path(finetune_corpus_path) if finetune_corpus_path else synthetic.train
     base_facts = (
