@@ -104,8 +104,9 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
         batch_size=HANDOUT.pretrain.batch_size,
         learning_rate=HANDOUT.pretrain.learning_rate,
         final_tokens=HANDOUT.pretrain.final_tokens_epochs * len(documents) * block,
-        training_path=path.removesuffix("-compile"),
+        training_path=path.removesuffix("-compile").partition("-groups")[0],
         compile=path.endswith("-compile"),
+        length_groups=int(path.partition("-groups")[2]) if "-groups" in path else None,
         seed=seed,
         overwrite_output_dir=True,
         log_every=50 if full else 10**9,
@@ -183,7 +184,9 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=3, help="pretraining epochs timed per path (first one apart)")
     parser.add_argument("--full", action="store_true", help="also run the whole recipe on the fast paths")
     parser.add_argument(
-        "--paths", default="plain,auto", help="comma-separated: plain, eager, graphed, graphed-compile, auto"
+        "--paths",
+        default="plain,auto",
+        help="comma-separated: plain, eager, eager-groupsN (N length groups), graphed, graphed-compile, auto",
     )
     parser.add_argument("--attention_types", default="vanilla", help="comma-separated attention types")
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"], help="for the fast paths")

@@ -43,6 +43,12 @@ def add_training_arguments(parser: argparse.ArgumentParser):
     group.add_argument("--shuffle", action="store_true", help="shuffle examples each epoch (the handouts do not)")
     group.add_argument("--no_packing", action="store_true", help="compute padding positions too (slower, same loss)")
     group.add_argument(
+        "--length_groups",
+        type=int,
+        default=None,
+        help="eager path: run each batch as N length-sorted groups (default 4 on CPU, 1 on GPU)",
+    )
+    group.add_argument(
         "--training_path",
         choices=["auto", "graphed", "eager", "plain"],
         default="auto",
@@ -71,6 +77,7 @@ def training_overrides(args) -> dict:
         seed=args.seed,
         shuffle=args.shuffle,
         packed=not args.no_packing,
+        length_groups=args.length_groups,
         training_path=args.training_path,
         compile=args.torch_compile,
         log_every=args.log_every,

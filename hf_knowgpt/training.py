@@ -17,6 +17,7 @@ fill about half of their block, so by default only real positions are computed (
 is normalized by the global number of trained targets, so the gradient equals the single-process one.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -280,6 +281,10 @@ class TrainingArguments:
     seed: int = 0
     packed: bool = True
     pack_multiple: int = 1
+    # Eager path: rows sorted by length and run as this many gradient-accumulated groups, each only as wide
+    # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: 4 on CPU, 1 on
+    # GPU (where more, smaller kernels cost more than they save). Same gradient; dropout draws differ.
+    length_groups: int | None = None
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
     compile: bool = False  # torch.compile the model inside the graphed step
     time_epochs: bool = False  # synchronize at every epoch end and record the time (benchmarks)
@@ -671,25 +676,41 @@ class KnowGPTTrainer:
             rows = torch.tensor_split(torch.arange(input_ids.shape[0]), world)[rank]
             device_rows = rows.to(input_ids.device)
             input_ids, labels, lengths = input_ids[device_rows], labels[device_rows], lengths[rows]
-        token_index = None
-        if packed:
-            token_index = packed_token_index(lengths, input_ids.shape[1], args.pack_multiple)
-            token_index = token_index.to(input_ids.device, non_blocking=True)
-        with accelerator.autocast():
-            output = self.model(
-                input_ids=input_ids,
-                labels=labels,
-                token_index=token_index,
-                num_items_in_batch=global_targets / world,  # DDP averages over processes
-                use_cache=False,
-            )
-        accelerator.backward(output.loss)
+        groups = args.length_groups or (4 if input_ids.device.type == "cpu" else 1)
+        if not packed or groups == 1:
+            row_groups = [None]
+        else:  # host lengths: sorting costs no device synchronization
+            row_groups = [g for g in torch.tensor_split(lengths.argsort(descending=True), groups) if len(g)]
+        loss = None
+        for number, rows in enumerate(row_groups):
+            group_ids, group_labels, group_lengths = input_ids, labels, lengths
+            if rows is not None:
+                group_width = int(lengths[rows].max())
+                device_rows = rows.to(input_ids.device, non_blocking=True)
+                group_ids, group_labels = input_ids[device_rows, :group_width], labels[device_rows, :group_width]
+                group_lengths = lengths[rows]
+            token_index = None
+            if packed:
+                token_index = packed_token_index(group_lengths, group_ids.shape[1], args.pack_multiple)
+                token_index = token_index.to(input_ids.device, non_blocking=True)
+            last = number == len(row_groups) - 1
+            with accelerator.no_sync(self.model) if not last else contextlib.nullcontext():
+                with accelerator.autocast():
+                    output = self.model(
+                        input_ids=group_ids,
+                        labels=group_labels,
+                        token_index=token_index,
+                        num_items_in_batch=global_targets / world,  # DDP averages over processes
+                        use_cache=False,
+                    )
+                accelerator.backward(output.loss)  # group losses share one normalizer: they sum to the batch's
+            loss = output.loss.detach() if loss is None else loss + output.loss.detach()
         if args.grad_norm_clip:
             accelerator.clip_grad_norm_(self.model.parameters(), args.grad_norm_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return output.loss.detach()
+        return loss
 
 
 def _progress_bar(total, initial, disable):

@@ -82,6 +82,24 @@ def make_trainer(tmp_path, data, model, graphed):
     return trainer
 
 
+@pytest.mark.parametrize("groups", [2, 4, 16])
+def test_length_groups_take_the_same_optimizer_step(pretraining_data, tmp_path, groups):
+    tokenizer, data = pretraining_data
+    batch = data.batch(torch.arange(16), torch.Generator().manual_seed(3))
+    results = []
+    for length_groups in (1, groups):
+        trainer = make_trainer(tmp_path / str(length_groups), data, fresh_model(len(tokenizer)), graphed=False)
+        trainer.args.length_groups = length_groups
+        loss = trainer.optimizer_step(batch, rank=0, world=1)
+        results.append((loss.item(), [p.detach().clone() for p in trainer.model.parameters()]))
+    (loss_one, params_one), (loss_groups, params_groups) = results
+    assert abs(loss_one - loss_groups) < TOLERANCE
+    moved = [not torch.equal(a, b) for a, b in zip(params_one, fresh_model(len(tokenizer)).parameters())]
+    assert all(moved)  # the step did change every parameter
+    for a, b in zip(params_one, params_groups):
+        assert torch.allclose(a, b, atol=TOLERANCE)
+
+
 def question_data(tokenizer):
     people = generate_people(40, seed=2)
     questions = [f"Where was {p.name} born?" for p in people]
