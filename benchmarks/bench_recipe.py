@@ -231,7 +231,7 @@ def main(argv=None):
     print(
         f"\ndevice: {summary['device']}; imports {IMPORT_SECONDS:.1f} s; measured bf16 matmul: {peak or 0:.0f} TFLOP/s"
     )
-    header = f"{'attention':<12}{'path':<9}{'prec':<6}{'s/epoch':>9}{'1st epoch':>10}{'pos/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'speedup':>9}{'recipe s':>10}{'dev':>9}"
+    header = f"{'attention':<12}{'path':<17}{'prec':<6}{'s/epoch':>9}{'1st epoch':>10}{'pos/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'speedup':>9}{'recipe s':>10}{'dev':>9}"
     print(header)
     for row in rows:
         baseline = next(
@@ -242,7 +242,7 @@ def main(argv=None):
         dev = f"{100 * row['dev_correct'] / row['dev_total']:.1f}%" if "dev_correct" in row else "-"
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] else "-"
         print(
-            f"{row['attention_type']:<12}{row['path']:<9}{row['mixed_precision']:<6}{row['steady_s_per_epoch']:>9.3f}"
+            f"{row['attention_type']:<12}{row['path']:<17}{row['mixed_precision']:<6}{row['steady_s_per_epoch']:>9.3f}"
             f"{row['first_epoch_s']:>10.2f}{row['positions_per_s']:>12,.0f}{row['model_tflops']:>9.2f}{mfu:>7}"
             f"{speedup:>9.1f}{recipe:>10}{dev:>9}"
         )
