@@ -28,7 +28,8 @@ class Recipe:
     finetune_scratch: StageRecipe
     attention_type: str = "vanilla"  # used when no --attention_type is given
     mixed_training: bool = False  # question–answer examples of the training people join pretraining
-    min_truncation_length: int = MIN_DOCUMENT_LENGTH  # span corruption's shortest truncation (handout: 4)
+    # span corruption's shortest truncation (handout: 4); capped at ⌊7B/8⌋ for a smaller block_size
+    min_truncation_length: int = MIN_DOCUMENT_LENGTH
 
 
 HANDOUT = Recipe(

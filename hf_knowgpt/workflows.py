@@ -23,7 +23,7 @@ from data_loaders import (
     load_corpus,
     synthetic_corpus_files,
 )
-from data_loaders.span_corruption import MIN_DOCUMENT_LENGTH
+from data_loaders.span_corruption import MIN_DOCUMENT_LENGTH, max_truncation_length
 from data_loaders.synthetic import DEFAULT_NUM_PEOPLE
 
 from .configuration_knowgpt import KnowGPTConfig
@@ -217,7 +217,8 @@ def pretrain(
     block_size = model.config.block_size
     args = _training_arguments(recipe.pretrain, output_dir, len(documents), block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
-    min_truncation_length = min_truncation_length or recipe.min_truncation_length
+    if min_truncation_length is None:  # the recipe's, within what a smaller --block_size can hold
+        min_truncation_length = min(recipe.min_truncation_length, max_truncation_length(block_size))
     data = PretrainingData(
         *encode_documents(tokenizer, documents, block_size, str(corpus_path)), block_size, min_truncation_length
     )

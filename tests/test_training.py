@@ -191,6 +191,25 @@ def pretrain_in_process(corpus, output_dir, **training):
     )
 
 
+def test_knowledge_recipe_reads_whole_windows_of_any_block_size(corpus, tmp_path):
+    # block 64 holds ⌊7·64/8⌋ = 56 characters: the recipe's 112 is capped there, not refused
+    workflows.pretrain(
+        tmp_path / "knowledge",
+        pretrain_corpus_path=corpus.corpus,
+        mixed_training_corpus_path=corpus.train,
+        recipe="knowledge",
+        model_overrides=TINY_OVERRIDES,
+        training_overrides={"max_epochs": 1, "batch_size": 16},
+    )
+    card = (tmp_path / "knowledge" / "README.md").read_text(encoding="utf-8")
+    assert "truncated to at least 56 characters" in card
+    with pytest.raises(ValueError, match="min_truncation_length must lie in 4..56"):
+        workflows.pretrain(
+            tmp_path / "too-long", pretrain_corpus_path=corpus.corpus, model_overrides=TINY_OVERRIDES,
+            min_truncation_length=57, training_overrides={"max_epochs": 1},
+        )  # fmt: skip
+
+
 def test_resume_continues_exactly_where_an_interrupted_run_stopped(corpus, tmp_path, monkeypatch):
     model, _ = pretrain_in_process(corpus, tmp_path / "straight")
     straight = {k: v.clone() for k, v in model.state_dict().items()}
