@@ -3,13 +3,16 @@
 
     python benchmarks/reproduce.py --data_dir ../shared/data --variants vanilla-nopretrain,vanilla,rope,synthesizer,perceiver,knowledge --seeds 0,1,2
 
-For each variant and seed: pretrain (the handouts' recipe, or the knowledge recipe) → finetune → answer the
-dev questions (scored once, with the handouts' exact match) and the test inputs (predictions written, no
-labels exist). `vanilla-nopretrain` finetunes from scratch, as the handouts' baseline does.
+For each variant and seed: pretrain (the handouts' recipe, or the knowledge recipe) → finetune (the
+handouts' recipe only: the knowledge recipe's pretrained model answers as it is) → answer the dev
+questions (scored once, with the handouts' exact match) and the test inputs (predictions written, no
+labels exist). `vanilla-nopretrain` finetunes from scratch, as the handouts' baseline does. Variant
+options for ablations: `knowledge+min_trunc=4+finetune=handout+max_epochs=650+n_embd=512+dropout=0`.
 
 --heldout N is for choosing hyperparameters: the last N lines of the training questions are held out, the
-rest are used for training (mixing and finetuning), and the held-out questions are scored instead of dev.
---curve_every E finetunes and scores checkpoints every E pretraining epochs (seed 0): accuracy against
+rest are used for training (mixing and finetuning), and the held-out questions are scored instead of dev
+(for a finetuned variant, its pretrained checkpoint too: `pretrained_accuracy`).
+--curve_every E finetunes (where the recipe does) and scores checkpoints every E pretraining epochs (seed 0): accuracy against
 pretraining epochs. Results go to --results (JSON); checkpoints, cards and predictions to --output_dir.
 A table is printed last.
 """
