@@ -127,30 +127,26 @@ class PretrainingData:
         )
         return truncated + 2, uniforms
 
-    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
-        """(input_ids, labels) built on the device, for captured steps; without `uniforms` the randomness
-        comes from the device's default generator."""
-        corrupted = span_corrupt(
+    def _corrupt(self, indices: torch.Tensor, uniforms: torch.Tensor | None):
+        return span_corrupt(
             self.documents[indices],
             self.lengths[indices],
             self.block_size,
             uniforms=uniforms,
             min_truncation_length=self.min_truncation_length,
         )
+
+    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
+        """(input_ids, labels) built on the device, for captured steps; without `uniforms` the randomness
+        comes from the device's default generator."""
+        corrupted = self._corrupt(indices, uniforms)
         labels = corrupted.labels()[:, :seq_len].masked_fill(~valid[:, None], -100)
         return corrupted.input_ids[:, :seq_len], labels
 
     def batch(self, indices: torch.Tensor, generator: torch.Generator) -> TrainingBatch:
         # The uniforms are drawn on the host, so the example lengths are known without waiting for the device.
         lengths, uniforms = self.plan(indices, generator)
-        device_indices = indices.to(self.documents.device)
-        corrupted = span_corrupt(
-            self.documents[device_indices],
-            self.lengths[device_indices],
-            self.block_size,
-            uniforms=uniforms,
-            min_truncation_length=self.min_truncation_length,
-        )
+        corrupted = self._corrupt(indices.to(self.documents.device), uniforms)
         return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, lengths - 1)
 
 
