@@ -46,7 +46,7 @@ def add_training_arguments(parser: argparse.ArgumentParser):
         "--length_groups",
         type=int,
         default=None,
-        help="eager path: run each batch as N length-sorted groups (default 4 on CPU, 1 on GPU)",
+        help="eager path: run each batch as N length-sorted groups (default: up to 4 of ≥ 32 rows on CPU; 1 on GPU)",
     )
     group.add_argument(
         "--training_path",

@@ -278,8 +278,9 @@ class TrainingArguments:
     packed: bool = True
     pack_multiple: int = 1
     # Eager path: rows sorted by length and run as this many gradient-accumulated groups, each only as wide
-    # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: 4 on CPU, 1 on
-    # GPU (where more, smaller kernels cost more than they save). Same gradient; dropout draws differ.
+    # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: up to 4 groups
+    # of ≥ 32 rows on CPU, 1 on GPU (where more, smaller kernels cost more than they save). Same gradient;
+    # dropout draws differ.
     length_groups: int | None = None
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
     compile: bool = False  # torch.compile the model inside the graphed step
@@ -672,7 +673,9 @@ class KnowGPTTrainer:
             rows = torch.tensor_split(torch.arange(input_ids.shape[0]), world)[rank]
             device_rows = rows.to(input_ids.device)
             input_ids, labels, lengths = input_ids[device_rows], labels[device_rows], lengths[rows]
-        groups = args.length_groups or (4 if input_ids.device.type == "cpu" else 1)
+        groups = args.length_groups
+        if groups is None:  # on CPU, groups of 32 rows or more (up to 4): smaller ones cost more than they save
+            groups = min(4, max(1, input_ids.shape[0] // 32)) if input_ids.device.type == "cpu" else 1
         if not packed or groups == 1:
             row_groups = [None]
         else:  # host lengths: sorting costs no device synchronization
