@@ -94,6 +94,19 @@ def synthetic_size(args) -> dict:
     return {"num_people": args.num_people} if args.num_people else {}
 
 
+def workflow_arguments(args) -> dict:
+    """The keyword arguments that `workflows.pretrain` and `workflows.finetune` both take from the flags."""
+    return dict(
+        recipe=args.recipe,
+        model_overrides=model_overrides(args),
+        training_overrides=training_overrides(args),
+        push_to_hub=args.push_to_hub,
+        hub_model_id=args.hub_model_id,
+        hub_token=args.hub_token,
+        **synthetic_size(args),
+    )
+
+
 def run_training(function, *args, **kwargs):
     """Run a training workflow; a run stopped by SIGINT/SIGTERM (checkpoint saved) exits with 128 + signal."""
     from .workflows import TrainingInterrupted

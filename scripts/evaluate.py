@@ -13,6 +13,7 @@ import _no_shadowing  # noqa: F401, I001  (must come before anything imports `ev
 import argparse
 
 from hf_knowgpt import workflows
+from hf_knowgpt.cli import synthetic_size
 from hf_knowgpt.qa import HANDOUT_MAX_NEW_TOKENS
 
 
@@ -33,7 +34,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    extra = {"num_people": args.num_people} if args.num_people else {}
     result = workflows.evaluate_birthplaces(
         args.model_name_or_path,
         eval_corpus_path=args.eval_corpus_path,
@@ -42,7 +42,7 @@ def main(argv=None):
         max_new_tokens=args.max_new_tokens,
         write_scores=args.write_scores,
         device=args.device,
-        **extra,
+        **synthetic_size(args),
     )
     print(result["message"])
     return result

@@ -16,10 +16,8 @@ from hf_knowgpt import workflows
 from hf_knowgpt.cli import (
     add_model_arguments,
     add_training_arguments,
-    model_overrides,
     run_training,
-    synthetic_size,
-    training_overrides,
+    workflow_arguments,
 )
 
 
@@ -55,13 +53,7 @@ def main(argv=None):
         finetune_corpus_path=args.finetune_corpus_path,
         pretrain_corpus_path=args.pretrain_corpus_path,
         attention_type=args.attention_type,
-        recipe=args.recipe,
-        model_overrides=model_overrides(args),
-        training_overrides=training_overrides(args),
-        push_to_hub=args.push_to_hub,
-        hub_model_id=args.hub_model_id,
-        hub_token=args.hub_token,
-        **synthetic_size(args),
+        **workflow_arguments(args),
     )
 
 

@@ -8,6 +8,7 @@ import _no_shadowing  # noqa: F401, I001  (must come before anything imports `ev
 import argparse
 
 from hf_knowgpt import workflows
+from hf_knowgpt.cli import synthetic_size
 
 
 def parse_args(argv=None):
@@ -23,8 +24,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    extra = {"num_people": args.num_people} if args.num_people else {}
-    result = workflows.london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **extra)
+    result = workflows.london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **synthetic_size(args))
     print(result["message"])
     print(f"Wrote {args.outputs_path} and {args.outputs_path}.metrics.json")
     return result
