@@ -284,6 +284,9 @@ class TrainingArguments:
     length_groups: int | None = None
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
     compile: bool = False  # torch.compile the model inside the graphed step
+    # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
+    # whole run): the first part of a long run, for studies of early training. None: run to the end.
+    stop_after_steps: int | None = None
     time_epochs: bool = False  # synchronize at every epoch end and record the time (benchmarks)
     log_every: int = 50
     checkpointing_steps: str | None = None  # an integer, or "epoch"
@@ -605,9 +608,10 @@ class KnowGPTTrainer:
         self.model.train()
         global_step, interrupted, epoch_seconds = start_step, 0, []
         started, last_log, last_log_step = time.perf_counter(), time.perf_counter(), start_step
+        last_step = min(total_steps, args.stop_after_steps or total_steps)
         with _StopRequested() as stop:
-            while global_step < total_steps:
-                boundary = min(total_steps, (global_step // args.log_every + 1) * args.log_every)
+            while global_step < last_step:
+                boundary = min(last_step, (global_step // args.log_every + 1) * args.log_every)
                 if args.checkpointing_steps:
                     every = self._checkpoint_every()
                     boundary = min(boundary, (global_step // every + 1) * every)
@@ -622,7 +626,7 @@ class KnowGPTTrainer:
                     epoch_seconds.append(time.perf_counter() - started)
                 if path == "graphed":  # the graph sets the rates; keep the host scheduler's count for checkpoints
                     getattr(scheduler, "scheduler", scheduler).last_epoch = global_step
-                if global_step % args.log_every == 0 or global_step == total_steps or stop.signal is not None:
+                if global_step % args.log_every == 0 or global_step == last_step or stop.signal is not None:
                     mean_loss = accelerator.reduce(stepper.take_loss(), reduction="mean").item()
                     lr = args.learning_rate * self.lr_multipliers[min(global_step, total_steps - 1)]
                     now = time.perf_counter()

@@ -210,6 +210,14 @@ def test_knowledge_recipe_reads_whole_windows_of_any_block_size(corpus, tmp_path
         )  # fmt: skip
 
 
+def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):
+    _, whole = pretrain_in_process(corpus, tmp_path / "whole", log_every=1)
+    _, start = pretrain_in_process(corpus, tmp_path / "start", log_every=1, stop_after_steps=5)
+    assert start["global_step"] == 5 < whole["global_step"]
+    # the same steps at the same learning rates as the whole run's first five, not a shorter schedule
+    assert start["loss_curve"] == whole["loss_curve"][:5]
+
+
 def test_resume_continues_exactly_where_an_interrupted_run_stopped(corpus, tmp_path, monkeypatch):
     model, _ = pretrain_in_process(corpus, tmp_path / "straight")
     straight = {k: v.clone() for k, v in model.state_dict().items()}
