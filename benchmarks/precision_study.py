@@ -8,13 +8,14 @@ side by side in one run; prints the loss at the handouts' logged steps last.
 Settings (each a fresh model from the same seed; bf16 means autocast with fp32 master weights):
 - fp32: TF32 matrix products, the reference;
 - bf16: everything autocast, as `--mixed_precision bf16` trains;
-- bf16-attn-fp32: bf16, but the attention kernel itself (scores, softmax, dropout, weighted sum) in fp32;
+- bf16-attn-fp32: bf16, but the attention kernel itself (scores, softmax, dropout, weighted sum) in fp32:
+  the library's `upcast_attention=True` (its default); every other setting here turns it off;
 - bf16-attn-block-fp32: bf16, but each whole attention sublayer (projections too) in fp32;
 - bf16-mlp-fp32: bf16, but each MLP sublayer in fp32;
 - bf16-head-fp32: bf16, but the language-model head (the logits) in fp32;
 - bf16-no-flash: bf16 with the flash kernel disabled (memory-efficient or math attention instead);
 - bf16-eager: bf16 on the eager (host-driven, uncaptured) path instead of the CUDA graph.
-The patches exist only inside this study; the library trains with one precision throughout.
+The other patches exist only inside this study.
 """
 
 import argparse
@@ -27,7 +28,6 @@ from pathlib import Path
 
 import torch
 from accelerate.state import AcceleratorState
-from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -66,25 +66,15 @@ def in_fp32(forward):
 
 @contextlib.contextmanager
 def patched_attention(setting: str):
-    """Swap the SDPA attention function for the duration of one setting."""
+    """Keep the flash kernel out for the duration of one setting."""
     original = modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
-
-    def attention_in_fp32(query, key, value, mask, scale, dropout_p, is_causal):
-        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-            mask = mask.float() if mask is not None else None
-            out = F.scaled_dot_product_attention(
-                query.float(), key.float(), value.float(), attn_mask=mask, dropout_p=dropout_p,
-                is_causal=is_causal, scale=scale,
-            )  # fmt: skip
-        return out.to(query.dtype)
 
     def attention_without_flash(*args, **kwargs):
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             return original(*args, **kwargs)
 
-    replacement = {"bf16-attn-fp32": attention_in_fp32, "bf16-no-flash": attention_without_flash}.get(setting)
-    if replacement is not None:
-        modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"] = replacement
+    if setting == "bf16-no-flash":
+        modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"] = attention_without_flash
     try:
         yield
     finally:
@@ -105,7 +95,11 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
     tokenizer = corpus_tokenizer(corpus)
     documents = read_corpus(corpus)
     config = KnowGPTConfig(
-        vocab_size=len(tokenizer), attention_type="vanilla", unk_token_id=tokenizer.unk_token_id, **HANDOUT.model
+        vocab_size=len(tokenizer),
+        attention_type="vanilla",
+        unk_token_id=tokenizer.unk_token_id,
+        upcast_attention=setting == "bf16-attn-fp32",
+        **HANDOUT.model,
     )
     block = config.block_size
     os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if setting == "fp32" else "bf16"

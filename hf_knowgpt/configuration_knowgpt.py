@@ -21,6 +21,10 @@ class KnowGPTConfig(PretrainedConfig):
         rope_theta (`float`): base of the rotary frequencies, theta_i = rope_theta^(-2(i-1)/d_head).
         initializer_range (`float`): standard deviation of the N(0, sigma) weight init.
         layer_norm_epsilon (`float`): LayerNorm epsilon (PyTorch's default, as the handouts use).
+        upcast_attention (`bool`): under bf16/fp16 autocast, compute the attention kernel (scores, softmax,
+            dropout, weighted sum) in fp32; the projections stay in the low precision. Without it the
+            handouts' recipe diverges in bf16 at its learning rate of 6e-3 (benchmarks/precision_study.py).
+            No effect in fp32.
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
     """
 
@@ -46,6 +50,7 @@ class KnowGPTConfig(PretrainedConfig):
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
+    upcast_attention: bool = True
     use_cache: bool = True
     pad_token_id: int | None = 0
     mask_token_id: int | None = 1

@@ -135,7 +135,23 @@ def attention_function(config: KnowGPTConfig):
         raise ValueError(
             f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {implementation!r}"
         )
-    return ATTENTION_FUNCTIONS[implementation]
+    function = ATTENTION_FUNCTIONS[implementation]
+    return _upcast(function) if config.upcast_attention else function
+
+
+def _upcast(function):
+    """Run an attention function in fp32 when its inputs come in a lower precision (autocast or a
+    half-precision model), and hand the result back in that precision."""
+
+    def upcast_attention(query, key, value, mask, **options):
+        if query.dtype == torch.float32:
+            return function(query, key, value, mask, **options)
+        mask = mask.float() if mask is not None else None
+        with torch.autocast(query.device.type, enabled=False):
+            attended = function(query.float(), key.float(), value.float(), mask, **options)
+        return attended.to(query.dtype)
+
+    return upcast_attention
 
 
 def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from conftest import ATTENTION_TYPES, REPO_ROOT, tiny_config
 from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
-from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast, modeling_knowgpt
 
 VOCAB = 23
 
@@ -165,6 +165,30 @@ def test_eager_and_sdpa_attention_agree(attention_type):
     assert torch.allclose(fused, model(ids).logits, atol=1e-5)
     with pytest.raises(ValueError, match="attn_implementation"):
         model.set_attn_implementation("flash_attention_2")
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_upcast_attention_runs_the_kernel_in_fp32_under_bf16_autocast(attention_type, monkeypatch):
+    seen = []
+    original = modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(query, key, value, mask, **options):
+        seen.append({query.dtype, key.dtype, value.dtype} | ({mask.dtype} if mask is not None else set()))
+        return original(query, key, value, mask, **options)
+
+    monkeypatch.setitem(modeling_knowgpt.ATTENTION_FUNCTIONS, "sdpa", recording)
+    ids = random_ids(2, 10)
+    fp32_logits = make_model(attention_type)(ids).logits
+    for upcast, kernel_dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        model = make_model(attention_type, upcast_attention=upcast)
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+        assert seen and all(dtypes == {kernel_dtype} for dtypes in seen), (upcast, seen)
+        assert logits.dtype == torch.bfloat16  # the projections and head stay in bf16
+        assert torch.allclose(logits.float(), fp32_logits, atol=0.1)
+    # in fp32 the option changes nothing
+    assert torch.equal(make_model(attention_type, upcast_attention=False)(ids).logits, fp32_logits)
 
 
 def test_sequences_longer_than_block_size_are_rejected():
