@@ -87,12 +87,16 @@ def train(model, data, args, accelerator):
     return trainer, result
 
 
-def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, peak, workdir):
+def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, peak, workdir, kernel_dtype):
     logging.disable(logging.WARNING)
     tokenizer = corpus_tokenizer(files["corpus"])
     documents = read_corpus(files["corpus"])
     config = KnowGPTConfig(
-        vocab_size=len(tokenizer), attention_type=attention_type, unk_token_id=tokenizer.unk_token_id, **HANDOUT.model
+        vocab_size=len(tokenizer),
+        attention_type=attention_type,
+        unk_token_id=tokenizer.unk_token_id,
+        attention_kernel_dtype=kernel_dtype,
+        **HANDOUT.model,
     )
     block = config.block_size
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
@@ -125,6 +129,7 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
         "attention_type": attention_type,
         "path": path,
         "mixed_precision": mixed_precision,
+        "attention_kernel_dtype": kernel_dtype,
         "device": describe_device(accelerator.device),
         "pretrain_epochs": pretrain_epochs,
         "first_epoch_s": epoch_times[0],
@@ -191,6 +196,11 @@ def main(argv=None):
     parser.add_argument(
         "--mixed_precision", default="no", help="for the fast paths: no, bf16, or both as no,bf16 (each path twice)"
     )
+    parser.add_argument(
+        "--attention_kernel_dtype",
+        default="float32",
+        help="attention kernel precision under bf16: float32, float16 or none (KnowGPTConfig.attention_kernel_dtype)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed")
     parser.add_argument("--output", default=None, help="write every measurement as JSON here")
     parser.add_argument("--workdir", default="/tmp/knowgpt-bench", help="scratch folder for checkpoints")
@@ -226,6 +236,7 @@ def main(argv=None):
                     args.seed,
                     peak,
                     Path(args.workdir),
+                    None if args.attention_kernel_dtype == "none" else args.attention_kernel_dtype,
                 )
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "loss_curve"}), flush=True)

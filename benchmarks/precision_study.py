@@ -9,7 +9,8 @@ Settings (each a fresh model from the same seed; bf16 means autocast with fp32 m
 - fp32: TF32 matrix products, the reference;
 - bf16: everything autocast, as `--mixed_precision bf16` trains;
 - bf16-attn-fp32: bf16, but the attention kernel itself (scores, softmax, dropout, weighted sum) in fp32:
-  the library's `upcast_attention=True` (its default); every other setting here turns it off;
+  the library's default `attention_kernel_dtype="float32"`; the other settings set it to None unless named;
+- bf16-attn-fp16: bf16, but the attention kernel in fp16 (`attention_kernel_dtype="float16"`: flash);
 - bf16-attn-block-fp32: bf16, but each whole attention sublayer (projections too) in fp32;
 - bf16-mlp-fp32: bf16, but each MLP sublayer in fp32;
 - bf16-head-fp32: bf16, but the language-model head (the logits) in fp32;
@@ -43,6 +44,7 @@ SETTINGS = (
     "fp32",
     "bf16",
     "bf16-attn-fp32",
+    "bf16-attn-fp16",
     "bf16-attn-block-fp32",
     "bf16-mlp-fp32",
     "bf16-head-fp32",
@@ -98,7 +100,7 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
         vocab_size=len(tokenizer),
         attention_type="vanilla",
         unk_token_id=tokenizer.unk_token_id,
-        upcast_attention=setting == "bf16-attn-fp32",
+        attention_kernel_dtype={"bf16-attn-fp32": "float32", "bf16-attn-fp16": "float16"}.get(setting),
         **HANDOUT.model,
     )
     block = config.block_size

@@ -7,7 +7,8 @@ For each variant and seed: pretrain (the handouts' recipe, or the knowledge reci
 handouts' recipe only: the knowledge recipe's pretrained model answers as it is) → answer the dev
 questions (scored once, with the handouts' exact match) and the test inputs (predictions written, no
 labels exist). `vanilla-nopretrain` finetunes from scratch, as the handouts' baseline does. Variant
-options for ablations: `knowledge+min_trunc=4+finetune=handout+max_epochs=650+n_embd=512+dropout=0`.
+options for ablations: `knowledge+min_trunc=4+finetune=handout+max_epochs=650+n_embd=512+dropout=0`, and
+`+attention_kernel_dtype=float16` (with ACCELERATE_MIXED_PRECISION=bf16).
 
 --heldout N is for choosing hyperparameters: the last N lines of the training questions are held out, the
 rest are used for training (mixing and finetuning), and the held-out questions are scored instead of dev
@@ -77,6 +78,8 @@ def parse_variant(variant: str):
             data["min_truncation_length"] = int(value)
         elif key == "dropout":
             model.update(embd_pdrop=float(value), resid_pdrop=float(value), attn_pdrop=float(value))
+        elif key == "attention_kernel_dtype":
+            model[key] = None if value == "none" else value
         elif key in MODEL_OPTIONS:
             model[key] = int(value)
         elif key == "max_epochs":

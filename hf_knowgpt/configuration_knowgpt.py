@@ -3,6 +3,7 @@
 from transformers import PretrainedConfig
 
 ATTENTION_TYPES = ("vanilla", "rope", "synthesizer", "perceiver")
+ATTENTION_KERNEL_DTYPES = ("float32", "float16", "bfloat16", None)
 
 
 class KnowGPTConfig(PretrainedConfig):
@@ -21,10 +22,11 @@ class KnowGPTConfig(PretrainedConfig):
         rope_theta (`float`): base of the rotary frequencies, theta_i = rope_theta^(-2(i-1)/d_head).
         initializer_range (`float`): standard deviation of the N(0, sigma) weight init.
         layer_norm_epsilon (`float`): LayerNorm epsilon (PyTorch's default, as the handouts use).
-        upcast_attention (`bool`): under bf16/fp16 autocast, compute the attention kernel (scores, softmax,
-            dropout, weighted sum) in fp32; the projections stay in the low precision. Without it the
-            handouts' recipe diverges in bf16 at its learning rate of 6e-3 (benchmarks/precision_study.py).
-            No effect in fp32.
+        attention_kernel_dtype (`str` or `None`): the precision of the attention kernel (scores, softmax,
+            dropout, weighted sum) when the projections run in a lower one than fp32 (bf16 autocast or a
+            half-precision model): "float32" (default), "float16" (the flash kernel, with 3 more mantissa
+            bits than bf16) or None (the inputs' own). With None the handouts' recipe diverges in bf16 at
+            its learning rate of 6e-3 (benchmarks/precision_study.py). Nothing changes in fp32.
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
     """
 
@@ -50,7 +52,7 @@ class KnowGPTConfig(PretrainedConfig):
     rope_theta: float = 10000.0
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
-    upcast_attention: bool = True
+    attention_kernel_dtype: str | None = "float32"
     use_cache: bool = True
     pad_token_id: int | None = 0
     mask_token_id: int | None = 1
@@ -89,6 +91,11 @@ class KnowGPTConfig(PretrainedConfig):
             raise ValueError(
                 f"KnowGPTConfig: attention_type 'rope' rotates pairs of features, so the head size "
                 f"n_embd / n_head must be even, got {self.n_embd} / {self.n_head} = {head_dim}"
+            )
+        if self.attention_kernel_dtype not in ATTENTION_KERNEL_DTYPES:
+            raise ValueError(
+                f"KnowGPTConfig.attention_kernel_dtype must be one of {list(ATTENTION_KERNEL_DTYPES)}, "
+                f"got {self.attention_kernel_dtype!r}"
             )
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
             raise ValueError(f"KnowGPTConfig.rope_theta must be a number > 1, got {self.rope_theta!r}")

@@ -136,22 +136,23 @@ def attention_function(config: KnowGPTConfig):
             f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {implementation!r}"
         )
     function = ATTENTION_FUNCTIONS[implementation]
-    return _upcast(function) if config.upcast_attention else function
+    kernel_dtype = config.attention_kernel_dtype
+    return function if kernel_dtype is None else _in_precision(function, getattr(torch, kernel_dtype))
 
 
-def _upcast(function):
-    """Run an attention function in fp32 when its inputs come in a lower precision (autocast or a
-    half-precision model), and hand the result back in that precision."""
+def _in_precision(function, kernel_dtype: torch.dtype):
+    """Run an attention function in `kernel_dtype` when its inputs come in a lower precision than fp32
+    (autocast or a half-precision model), and hand the result back in the inputs' precision."""
 
-    def upcast_attention(query, key, value, mask, **options):
-        if query.dtype == torch.float32:
+    def attention_in_precision(query, key, value, mask, **options):
+        if query.dtype in (torch.float32, kernel_dtype):
             return function(query, key, value, mask, **options)
-        mask = mask.float() if mask is not None else None
+        mask = mask.to(kernel_dtype) if mask is not None else None  # bf16's minimum becomes -inf in fp16
         with torch.autocast(query.device.type, enabled=False):
-            attended = function(query.float(), key.float(), value.float(), mask, **options)
+            attended = function(query.to(kernel_dtype), key.to(kernel_dtype), value.to(kernel_dtype), mask, **options)
         return attended.to(query.dtype)
 
-    return upcast_attention
+    return attention_in_precision
 
 
 def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

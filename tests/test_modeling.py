@@ -168,7 +168,7 @@ def test_eager_and_sdpa_attention_agree(attention_type):
 
 
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
-def test_upcast_attention_runs_the_kernel_in_fp32_under_bf16_autocast(attention_type, monkeypatch):
+def test_attention_kernel_dtype_under_bf16_autocast(attention_type, monkeypatch):
     seen = []
     original = modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
 
@@ -179,16 +179,19 @@ def test_upcast_attention_runs_the_kernel_in_fp32_under_bf16_autocast(attention_
     monkeypatch.setitem(modeling_knowgpt.ATTENTION_FUNCTIONS, "sdpa", recording)
     ids = random_ids(2, 10)
     fp32_logits = make_model(attention_type)(ids).logits
-    for upcast, kernel_dtype in ((True, torch.float32), (False, torch.bfloat16)):
-        model = make_model(attention_type, upcast_attention=upcast)
+    for setting, kernel_dtype in (("float32", torch.float32), ("float16", torch.float16), (None, torch.bfloat16)):
+        model = make_model(attention_type, attention_kernel_dtype=setting)
         seen.clear()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(ids).logits
-        assert seen and all(dtypes == {kernel_dtype} for dtypes in seen), (upcast, seen)
+        assert seen and all(dtypes == {kernel_dtype} for dtypes in seen), (setting, seen)
         assert logits.dtype == torch.bfloat16  # the projections and head stay in bf16
         assert torch.allclose(logits.float(), fp32_logits, atol=0.1)
-    # in fp32 the option changes nothing
-    assert torch.equal(make_model(attention_type, upcast_attention=False)(ids).logits, fp32_logits)
+    # in fp32 the setting changes nothing
+    for setting in ("float16", None):
+        assert torch.equal(make_model(attention_type, attention_kernel_dtype=setting)(ids).logits, fp32_logits)
+    with pytest.raises(ValueError, match="attention_kernel_dtype must be one of"):
+        tiny_config(attention_type, attention_kernel_dtype="fp32")
 
 
 def test_sequences_longer_than_block_size_are_rejected():
