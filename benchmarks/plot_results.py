@@ -16,11 +16,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HANDOUT_CURVE = [(0, 5.55), (22, 3.28), (100, 2.81), (460, 2.53), (1000, 2.32), (1400, 2.02), (2300, 1.36),
                  (4600, 0.96), (9000, 0.64), (14949, 0.53)]  # fmt: skip
-FILES = {  # file: what its "knowledge" rows are (the recipe changed once)
-    "h200_reproduce_vanilla_rope.json": "knowledge",
-    "h200_reproduce_synthesizer_perceiver.json": "knowledge",
-    "h200_reproduce_knowledge.json": "knowledge v1 (4..112 truncation, finetuned)",
-    "h200_knowledge_v2_dev_s01.json": "knowledge",
+FILES = {  # file: labels for its variants where the variant's name alone would be ambiguous
+    "h200_reproduce_vanilla_rope.json": {},
+    "h200_reproduce_synthesizer_perceiver.json": {},
+    "h200_reproduce_knowledge.json": {"knowledge": "knowledge v1 (4..112 truncation, finetuned)"},
+    "h200_knowledge_v2_dev_s01.json": {},
+    "h200_rope512_dev.json": {"rope+n_embd=512": "rope, n_embd 512 (the anchor's width)"},
+    "h200_vanilla_plain_path_dev.json": {"vanilla": "vanilla, plain path (fp32, unfused)"},
+    "h200_vanilla_bf16_dev.json": {"vanilla": "vanilla, bf16 (fp32 attention kernel)"},
 }
 
 
@@ -30,9 +33,9 @@ def main():
     parser.add_argument("--output", default="docs")
     args = parser.parse_args()
     rows = []
-    for name, knowledge_label in FILES.items():
+    for name, labels in FILES.items():
         for row in json.loads((Path(args.results) / name).read_text())["rows"]:
-            rows.append({**row, "variant": knowledge_label if row["variant"] == "knowledge" else row["variant"]})
+            rows.append({**row, "variant": labels.get(row["variant"], row["variant"])})
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
 
