@@ -16,7 +16,7 @@ Settings (each a fresh model from the same seed; bf16 means autocast with fp32 m
 - bf16-head-fp32: bf16, but the language-model head (the logits) in fp32;
 - bf16-no-flash: bf16 with the flash kernel disabled (memory-efficient or math attention instead);
 - bf16-eager: bf16 on the eager (host-driven, uncaptured) path instead of the CUDA graph.
-The other patches exist only inside this study.
+The patches of the sublayer, head, no-flash and eager settings exist only inside this study.
 """
 
 import argparse

@@ -23,10 +23,10 @@ class KnowGPTConfig(PretrainedConfig):
         initializer_range (`float`): standard deviation of the N(0, sigma) weight init.
         layer_norm_epsilon (`float`): LayerNorm epsilon (PyTorch's default, as the handouts use).
         attention_kernel_dtype (`str` or `None`): the precision of the attention kernel (scores, softmax,
-            dropout, weighted sum) when the projections run in a lower one than fp32 (bf16 autocast or a
-            half-precision model): "float32" (default), "float16" (the flash kernel, with 3 more mantissa
-            bits than bf16) or None (the inputs' own). With None the handouts' recipe diverges in bf16 at
-            its learning rate of 6e-3 (benchmarks/precision_study.py). Nothing changes in fp32.
+            dropout, weighted sum) when the projections run in half precision (bf16/fp16 autocast or a
+            half-precision model): "float32" (default), "float16", "bfloat16" or None (the inputs' own).
+            With the kernel in bf16 or fp16 the handouts' recipe diverges in bf16 at its learning rate of
+            6e-3; in fp32 it trains like fp32 (benchmarks/precision_study.py). Nothing changes in fp32.
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
     """
 

@@ -141,11 +141,11 @@ def attention_function(config: KnowGPTConfig):
 
 
 def _in_precision(function, kernel_dtype: torch.dtype):
-    """Run an attention function in `kernel_dtype` when its inputs come in a lower precision than fp32
-    (autocast or a half-precision model), and hand the result back in the inputs' precision."""
+    """Run an attention function in `kernel_dtype` when its inputs come in half precision (bf16/fp16
+    autocast or a half-precision model), and hand the result back in the inputs' precision."""
 
     def attention_in_precision(query, key, value, mask, **options):
-        if query.dtype in (torch.float32, kernel_dtype):
+        if query.dtype not in (torch.bfloat16, torch.float16) or query.dtype == kernel_dtype:
             return function(query, key, value, mask, **options)
         mask = mask.to(kernel_dtype) if mask is not None else None  # bf16's minimum becomes -inf in fp16
         with torch.autocast(query.device.type, enabled=False):
