@@ -44,10 +44,9 @@ from hf_knowgpt.training import (  # noqa: E402
     FinetuningData,
     KnowGPTTrainer,
     PretrainingData,
-    TrainingArguments,
     make_accelerator,
 )
-from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt.workflows import corpus_tokenizer, stage_training_arguments  # noqa: E402
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED
 
@@ -102,19 +101,21 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     AcceleratorState._reset_state(True)  # each case gets its own precision
     pretrain_epochs = HANDOUT.pretrain.max_epochs if full else epochs
-    args = TrainingArguments(
-        output_dir=str(workdir / f"{attention_type}-{path}-pretrain"),
-        max_epochs=pretrain_epochs,
-        batch_size=HANDOUT.pretrain.batch_size,
-        learning_rate=HANDOUT.pretrain.learning_rate,
-        final_tokens=HANDOUT.pretrain.final_tokens_epochs * len(documents) * block,
-        training_path=path.removesuffix("-compile").partition("-groups")[0],
-        compile=path.endswith("-compile"),
-        length_groups=int(path.partition("-groups")[2]) if "-groups" in path else None,
-        seed=seed,
-        overwrite_output_dir=True,
-        log_every=50 if full else 10**9,
-        time_epochs=True,
+    args = stage_training_arguments(
+        HANDOUT.pretrain,
+        workdir / f"{attention_type}-{path}-pretrain",
+        len(documents),
+        block,
+        dict(
+            max_epochs=pretrain_epochs,
+            training_path=path.removesuffix("-compile").partition("-groups")[0],
+            compile=path.endswith("-compile"),
+            length_groups=int(path.partition("-groups")[2]) if "-groups" in path else None,
+            seed=seed,
+            overwrite_output_dir=True,
+            log_every=50 if full else 10**9,
+            time_epochs=True,
+        ),
     )
     accelerator = make_accelerator(args)
     torch.manual_seed(seed)
@@ -147,16 +148,17 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
         model = accelerator.unwrap_model(trainer.model)
         records = load_birthplaces(train=files["train"])["train"]
         input_ids, labels = encode_birthplace_examples(tokenizer, records["question"], records["answer"], block)
-        finetune_args = TrainingArguments(
-            output_dir=str(workdir / f"{attention_type}-{path}-finetune"),
-            max_epochs=HANDOUT.finetune_pretrained.max_epochs,
-            batch_size=HANDOUT.finetune_pretrained.batch_size,
-            learning_rate=HANDOUT.finetune_pretrained.learning_rate,
-            final_tokens=HANDOUT.finetune_pretrained.final_tokens_epochs * len(documents) * block,
-            training_path=path.removesuffix("-compile"),  # 80 steps: compiling would not pay for itself
-            seed=seed,
-            overwrite_output_dir=True,
-            log_every=10**9,
+        finetune_args = stage_training_arguments(
+            HANDOUT.finetune_pretrained,
+            workdir / f"{attention_type}-{path}-finetune",
+            len(documents),
+            block,
+            dict(
+                training_path=path.removesuffix("-compile"),  # 80 steps: compiling would not pay for itself
+                seed=seed,
+                overwrite_output_dir=True,
+                log_every=10**9,
+            ),
         )
         _, finetune_result = train(model, FinetuningData(input_ids, labels), finetune_args, accelerator)
         dev = load_birthplaces(dev=files["dev"])["dev"]

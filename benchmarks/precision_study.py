@@ -37,8 +37,8 @@ from data_loaders import encode_documents, read_corpus  # noqa: E402
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, modeling_knowgpt  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator  # noqa: E402
-from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, make_accelerator  # noqa: E402
+from hf_knowgpt.workflows import corpus_tokenizer, stage_training_arguments  # noqa: E402
 
 SETTINGS = (
     "fp32",
@@ -107,18 +107,19 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
     os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if setting == "fp32" else "bf16"
     AcceleratorState._reset_state(True)
     on_gpu = torch.cuda.is_available()
-    args = TrainingArguments(
-        output_dir=str(workdir / setting),
-        max_epochs=HANDOUT.pretrain.max_epochs,
-        batch_size=HANDOUT.pretrain.batch_size,
-        learning_rate=HANDOUT.pretrain.learning_rate,
-        final_tokens=HANDOUT.pretrain.final_tokens_epochs * len(documents) * block,
-        training_path="graphed" if on_gpu and setting != "bf16-eager" else "eager",
-        compile=compile_model and on_gpu,
-        stop_after_steps=steps,
-        seed=seed,
-        overwrite_output_dir=True,
-        log_every=50,
+    args = stage_training_arguments(
+        HANDOUT.pretrain,
+        workdir / setting,
+        len(documents),
+        block,
+        dict(
+            training_path="graphed" if on_gpu and setting != "bf16-eager" else "eager",
+            compile=compile_model and on_gpu,
+            stop_after_steps=steps,
+            seed=seed,
+            overwrite_output_dir=True,
+            log_every=50,
+        ),
     )
     accelerator = make_accelerator(args)
     torch.manual_seed(seed)

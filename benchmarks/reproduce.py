@@ -78,8 +78,8 @@ def parse_variant(variant: str):
             data["min_truncation_length"] = int(value)
         elif key == "dropout":
             model.update(embd_pdrop=float(value), resid_pdrop=float(value), attn_pdrop=float(value))
-        elif key == "attention_kernel_dtype":
-            model[key] = None if value == "none" else value
+        elif key == "attention_kernel_dtype":  # float32, float16 or bfloat16 (the workflows ignore a None override)
+            model[key] = value
         elif key in MODEL_OPTIONS:
             model[key] = int(value)
         elif key == "max_epochs":

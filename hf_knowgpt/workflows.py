@@ -98,7 +98,10 @@ def _dataset_id(path) -> str:
     return "synthetic-biographies" if "synthetic-" in str(path) else "cs224n-knowledge-access"
 
 
-def _training_arguments(stage: StageRecipe, output_dir, corpus_documents, block_size, overrides: dict):
+def stage_training_arguments(stage: StageRecipe, output_dir, corpus_documents, block_size, overrides: dict):
+    """A recipe stage's `TrainingArguments`: its epochs, batch and learning rate, and the schedule's
+    final_tokens counted on the pretraining corpus (`corpus_documents` documents) as the handouts count
+    them; `overrides` (None values ignored) replace any field."""
     final_tokens = (
         None if stage.final_tokens_epochs is None else stage.final_tokens_epochs * corpus_documents * block_size
     )
@@ -215,7 +218,7 @@ def pretrain(
     tokenizer = corpus_tokenizer(corpus_path)
     model = new_model(tokenizer, recipe, attention_type, model_overrides, (training_overrides or {}).get("seed"))
     block_size = model.config.block_size
-    args = _training_arguments(recipe.pretrain, output_dir, len(documents), block_size, training_overrides or {})
+    args = stage_training_arguments(recipe.pretrain, output_dir, len(documents), block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
     if min_truncation_length is None:  # the recipe's, within what a smaller --block_size can hold
         min_truncation_length = min(recipe.min_truncation_length, max_truncation_length(block_size))
@@ -304,7 +307,7 @@ def finetune(
         )
     block_size = model.config.block_size
     data = _birthplace_examples(tokenizer, finetune_path, block_size)
-    args = _training_arguments(stage, output_dir, corpus_documents, block_size, training_overrides or {})
+    args = stage_training_arguments(stage, output_dir, corpus_documents, block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
     card = dict(
         data_description=f"`{finetune_path.name}` ({data.num_examples} questions)",
@@ -431,4 +434,5 @@ __all__ = [
     "london_baseline",
     "pretrain",
     "scores_path",
+    "stage_training_arguments",
 ]
