@@ -22,6 +22,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from itertools import product  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -37,6 +38,7 @@ from data_loaders import (  # noqa: E402
     synthetic_corpus_files,
 )
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM  # noqa: E402
+from hf_knowgpt.fused_attention import fused_attention_available  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
 from hf_knowgpt.qa import predict_birthplaces  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
@@ -86,7 +88,9 @@ def train(model, data, args, accelerator):
     return trainer, result
 
 
-def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, peak, workdir, kernel_dtype):
+def run_case(
+    attention_type, path, files, epochs, full, mixed_precision, seed, peak, workdir, kernel_dtype, attention_kernel
+):
     logging.disable(logging.WARNING)
     tokenizer = corpus_tokenizer(files["corpus"])
     documents = read_corpus(files["corpus"])
@@ -115,6 +119,7 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
             overwrite_output_dir=True,
             log_every=50 if full else 10**9,
             time_epochs=True,
+            fused_attention=attention_kernel == "triton",
         ),
     )
     accelerator = make_accelerator(args)
@@ -131,6 +136,12 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
         "path": path,
         "mixed_precision": mixed_precision,
         "attention_kernel_dtype": kernel_dtype,
+        # What ran: the fused kernel needs Triton and CUDA, the plain path is unfused.
+        "attention_kernel": "eager"
+        if path == "plain"
+        else attention_kernel
+        if fused_attention_available()
+        else "sdpa",
         "device": describe_device(accelerator.device),
         "pretrain_epochs": pretrain_epochs,
         "first_epoch_s": epoch_times[0],
@@ -155,6 +166,7 @@ def run_case(attention_type, path, files, epochs, full, mixed_precision, seed, p
             block,
             dict(
                 training_path=path.removesuffix("-compile"),  # 80 steps: compiling would not pay for itself
+                fused_attention=attention_kernel == "triton",
                 seed=seed,
                 overwrite_output_dir=True,
                 log_every=10**9,
@@ -203,6 +215,11 @@ def main(argv=None):
         default="float32",
         help="attention kernel precision under bf16: float32, float16 or none (KnowGPTConfig.attention_kernel_dtype)",
     )
+    parser.add_argument(
+        "--attention_kernels",
+        default="triton",
+        help="for the fast paths on CUDA: triton (the fused kernel where it applies), sdpa, or both as sdpa,triton",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed")
     parser.add_argument("--output", default=None, help="write every measurement as JSON here")
     parser.add_argument("--workdir", default="/tmp/knowgpt-bench", help="scratch folder for checkpoints")
@@ -210,6 +227,9 @@ def main(argv=None):
     precisions = args.mixed_precision.split(",")
     if not set(precisions) <= {"no", "bf16"}:
         parser.error(f"--mixed_precision takes no, bf16 or no,bf16; got {args.mixed_precision!r}")
+    kernels = args.attention_kernels.split(",")
+    if not set(kernels) <= {"sdpa", "triton"}:
+        parser.error(f"--attention_kernels takes sdpa, triton or sdpa,triton; got {args.attention_kernels!r}")
 
     if args.data_dir:
         data_dir = Path(args.data_dir)
@@ -227,7 +247,7 @@ def main(argv=None):
     for attention_type in args.attention_types.split(","):
         for path in args.paths.split(","):
             plain = path == "plain"
-            for precision in ["no"] if plain else precisions:
+            for precision, kernel in [("no", "eager")] if plain else product(precisions, kernels):
                 row = run_case(
                     attention_type,
                     path,
@@ -239,6 +259,7 @@ def main(argv=None):
                     peak,
                     Path(args.workdir),
                     None if args.attention_kernel_dtype == "none" else args.attention_kernel_dtype,
+                    kernel,
                 )
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "loss_curve"}), flush=True)
@@ -249,7 +270,7 @@ def main(argv=None):
     print(
         f"\ndevice: {summary['device']}; imports {IMPORT_SECONDS:.1f} s; measured bf16 matmul: {peak or 0:.0f} TFLOP/s"
     )
-    header = f"{'attention':<12}{'path':<17}{'prec':<6}{'s/epoch':>9}{'1st epoch':>10}{'pos/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'speedup':>9}{'recipe s':>10}{'dev':>9}"
+    header = f"{'attention':<12}{'path':<17}{'prec':<6}{'kernel':<8}{'s/epoch':>9}{'1st epoch':>10}{'pos/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'speedup':>9}{'recipe s':>10}{'dev':>9}"
     print(header)
     for row in rows:
         baseline = next(
@@ -260,7 +281,8 @@ def main(argv=None):
         dev = f"{100 * row['dev_correct'] / row['dev_total']:.1f}%" if "dev_correct" in row else "-"
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] else "-"
         print(
-            f"{row['attention_type']:<12}{row['path']:<17}{row['mixed_precision']:<6}{row['steady_s_per_epoch']:>9.3f}"
+            f"{row['attention_type']:<12}{row['path']:<17}{row['mixed_precision']:<6}{row['attention_kernel']:<8}"
+            f"{row['steady_s_per_epoch']:>9.3f}"
             f"{row['first_epoch_s']:>10.2f}{row['positions_per_s']:>12,.0f}{row['model_tflops']:>9.2f}{mfu:>7}"
             f"{speedup:>9.1f}{recipe:>10}{dev:>9}"
         )
@@ -269,14 +291,17 @@ def main(argv=None):
         print("\npretraining loss (mean of the 50 steps before) against the handouts' curve (REPRODUCING.md):")
         print(
             f"{'step':>6}{'handout':>9}"
-            + "".join(f"{r['attention_type'][:5] + '/' + r['mixed_precision']:>14}" for r in curves)
+            + "".join(
+                f"{r['attention_type'][:5] + '/' + r['mixed_precision'] + '/' + r['attention_kernel'][:3]:>18}"
+                for r in curves
+            )
         )
         for step, reference in HANDOUT_CURVE:
             values = []
             for r in curves:
                 nearest = min(r["loss_curve"], key=lambda point: abs(point["step"] - step))
                 values.append(f"{nearest['loss']:>9.2f}@{nearest['step']:<4}")
-            print(f"{step:>6}{reference:>9.2f}" + "".join(f"{v:>14}" for v in values))
+            print(f"{step:>6}{reference:>9.2f}" + "".join(f"{v:>18}" for v in values))
     return summary
 
 

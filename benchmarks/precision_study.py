@@ -10,6 +10,11 @@ Settings (each a fresh model from the same seed; bf16 means autocast with fp32 m
 - bf16: everything autocast, as `--mixed_precision bf16` trains;
 - bf16-attn-fp32: bf16, but the attention kernel itself (scores, softmax, dropout, weighted sum) in fp32:
   the library's default `attention_kernel_dtype="float32"`; the other settings set it to None unless named;
+- bf16-attn-fp32-eager: bf16-attn-fp32 with the attention unfused (`attn_implementation="eager"`: the
+  scores and the weighted sum are fp32 matrix products, on TF32 tensor cores like every fp32 product here);
+- bf16-attn-triton: bf16, the attention through the fused Triton kernel (`attn_implementation="triton"`,
+  as in fp32: its fp32 operands split into 3 bf16 parts); -split2 and -split1: 2 parts (about 16 bits) or
+  1 (rounded to bf16 where the flash kernel rounds, but with the softmax correction from fp32);
 - bf16-attn-fp16: bf16, but the attention kernel in fp16 (`attention_kernel_dtype="float16"`: flash);
 - bf16-attn-block-fp32: bf16, but each whole attention sublayer (projections too) in fp32;
 - bf16-mlp-fp32: bf16, but each MLP sublayer in fp32;
@@ -34,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
-from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, modeling_knowgpt  # noqa: E402
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention, modeling_knowgpt  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
 from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, make_accelerator  # noqa: E402
@@ -44,6 +49,10 @@ SETTINGS = (
     "fp32",
     "bf16",
     "bf16-attn-fp32",
+    "bf16-attn-fp32-eager",
+    "bf16-attn-triton",
+    "bf16-attn-triton-split2",
+    "bf16-attn-triton-split1",
     "bf16-attn-fp16",
     "bf16-attn-block-fp32",
     "bf16-mlp-fp32",
@@ -100,7 +109,11 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
         vocab_size=len(tokenizer),
         attention_type="vanilla",
         unk_token_id=tokenizer.unk_token_id,
-        attention_kernel_dtype={"bf16-attn-fp32": "float32", "bf16-attn-fp16": "float16"}.get(setting),
+        attention_kernel_dtype={
+            "bf16-attn-fp32": "float32",
+            "bf16-attn-fp32-eager": "float32",
+            "bf16-attn-fp16": "float16",
+        }.get(setting, "float32" if setting.startswith("bf16-attn-triton") else None),
         **HANDOUT.model,
     )
     block = config.block_size
@@ -114,6 +127,7 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
         block,
         dict(
             training_path="graphed" if on_gpu and setting != "bf16-eager" else "eager",
+            fused_attention=False,  # each setting names its attention kernel
             compile=compile_model and on_gpu,
             stop_after_steps=steps,
             seed=seed,
@@ -125,6 +139,11 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
     torch.manual_seed(seed)
     model = KnowGPTForCausalLM(config)
     patch_model(model, setting)
+    if setting == "bf16-attn-fp32-eager":
+        model.set_attn_implementation("eager")
+    if setting.startswith("bf16-attn-triton"):
+        model.set_attn_implementation("triton")
+        fused_attention.DEFAULT_SPLITS = int(setting.removeprefix("bf16-attn-triton").removeprefix("-split") or 3)
     data = PretrainingData(*encode_documents(tokenizer, documents, block), block)
     with patched_attention(setting):
         result = KnowGPTTrainer(model, data, args, accelerator).train()

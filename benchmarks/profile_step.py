@@ -1,9 +1,15 @@
 #!/usr/bin/env python
 """Per-step time of the graphed pretraining step in its variants (dense or packed, eager or
 torch.compile'd kernels, fp32 with TF32 matmuls or bf16 autocast), on wiki.txt with the handout model,
-and the top CUDA kernels of the packed fp32 step. Prints a table last.
+and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
     python benchmarks/profile_step.py --data_dir .data
+
+A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3]][:kernel=float32|float16|none]`:
+`eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
+`triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`),
+otherwise SDPA; `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
+default float32).
 """
 
 import argparse
@@ -17,20 +23,39 @@ from accelerate.state import AcceleratorState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
-from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM  # noqa: E402
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention  # noqa: E402
 from hf_knowgpt.fast_path import GraphedStepper  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
 from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator  # noqa: E402
 from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
 
 
-def stepper_for(corpus, attention_type, packed, compile_model, precision):
+def parse_variant(variant: str) -> dict:
+    parts = variant.split(":")
+    options = dict(packed=parts[0] == "packed", precision=parts[1], compile_model="compile" in parts[2:])
+    options["attn_implementation"] = "eager" if "eager-attn" in parts[2:] else "sdpa"
+    for part in parts[2:]:
+        if part.startswith("triton-attn"):
+            options["attn_implementation"] = "triton"
+            fused_attention.DEFAULT_SPLITS = int(part.partition("=")[2] or 3)
+    kernels = [p.split("=", 1)[1] for p in parts[2:] if p.startswith("kernel=")]
+    options["kernel_dtype"] = None if kernels[-1:] == ["none"] else (kernels[-1] if kernels else "float32")
+    return options
+
+
+def stepper_for(corpus, attention_type, packed, compile_model, precision, attn_implementation, kernel_dtype):
     AcceleratorState._reset_state(True)
     tokenizer = corpus_tokenizer(corpus)
     documents = read_corpus(corpus)
-    config = KnowGPTConfig(vocab_size=len(tokenizer), attention_type=attention_type, **HANDOUT.model)
+    config = KnowGPTConfig(
+        vocab_size=len(tokenizer),
+        attention_type=attention_type,
+        attention_kernel_dtype=kernel_dtype,
+        **HANDOUT.model,
+    )
     torch.manual_seed(0)
     model = KnowGPTForCausalLM(config).cuda()
+    model.set_attn_implementation(attn_implementation)
     data = PretrainingData(*encode_documents(tokenizer, documents, 128), 128)
     args = TrainingArguments(output_dir="/tmp/profile", max_epochs=650, training_path="graphed", packed=packed)
     trainer = KnowGPTTrainer(model, data, args, make_accelerator(args))
@@ -48,22 +73,26 @@ def main():
     parser.add_argument("--data_dir", default=".data")
     parser.add_argument("--attention_type", default="vanilla")
     parser.add_argument("--variants", default="dense:no,packed:no,packed:no:compile,packed:bf16,packed:bf16:compile")
+    parser.add_argument("--profile", default="packed:bf16:compile", help="variant whose kernels are listed")
+    parser.add_argument("--profile_rows", type=int, default=25)
     args = parser.parse_args()
     corpus = Path(args.data_dir) / "wiki.txt"
 
-    stepper = stepper_for(corpus, args.attention_type, True, False, "no")
-    stepper.run(0, 30, lambda: False)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        stepper.run(30, 10, lambda: False)
+    for variant in filter(None, args.profile.split(",")):
+        stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
+        stepper.run(0, 30, lambda: False)
         torch.cuda.synchronize()
-    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            stepper.run(30, 10, lambda: False)
+            torch.cuda.synchronize()
+        kernels = profiler.key_averages()
+        launches = sum(event.count for event in kernels if event.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"\n{variant}: {launches / 10:.0f} kernels per step")
+        print(kernels.table(sort_by="self_cuda_time_total", row_limit=args.profile_rows, max_name_column_width=70))
 
     rows = []
     for variant in args.variants.split(","):
-        parts = variant.split(":")
-        packed, precision, compile_model = parts[0] == "packed", parts[1], "compile" in parts
-        stepper = stepper_for(corpus, args.attention_type, packed, compile_model, precision)
+        stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
         start = time.perf_counter()
         stepper.run(0, 230, lambda: False)  # ten epochs: captures, compilation, warm-up
         torch.cuda.synchronize()
@@ -77,12 +106,12 @@ def main():
         rows.append((variant, warmup, capture, stepper.capture_seconds - capture, len(stepper.graphs), per_step, loss))
         print(rows[-1], flush=True)
     print(
-        f"\n{'variant':<22}{'first 230 s':>12}{'capture s':>10}{'late capture s':>15}{'graphs':>7}"
+        f"\n{'variant':<40}{'first 230 s':>12}{'capture s':>10}{'late capture s':>15}{'graphs':>7}"
         f"{'ms/step':>9}{'650 epochs s':>14}{'loss@690':>10}"
     )
     for variant, warmup, capture, late_capture, graphs, per_step, loss in rows:
         print(
-            f"{variant:<22}{warmup:>12.1f}{capture:>10.1f}{late_capture:>15.2f}{graphs:>7}"
+            f"{variant:<40}{warmup:>12.1f}{capture:>10.1f}{late_capture:>15.2f}{graphs:>7}"
             f"{1000 * per_step:>9.2f}{per_step * 14950:>14.1f}{loss:>10.3f}"
         )
 

@@ -18,6 +18,7 @@ unpadded, uncached calls.
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_knowgpt import KnowGPTConfig
+from .fused_attention import fused_causal_attention, supports_fused_attention
 
 # transformers 5.2x renamed the cache field of model outputs and the forward keyword from
 # `past_key_values` to `cache`; the model accepts both and fills whichever the installed version has.
@@ -126,7 +128,17 @@ def eager_attention(query, key, value, mask, scale, dropout_p, is_causal):
     return torch.matmul(weights, value)
 
 
-ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention}
+def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, fallback=sdpa_attention):
+    """The fused Triton kernel (`hf_knowgpt.fused_attention`, fp32 inside whatever the inputs' precision)
+    where it applies: causal self-attention without a padding mask over at most 128 positions on a CUDA
+    device, i.e. training. `fallback` (SDPA) everywhere else: masks, the KV cache, the synthesizer's
+    bias, the perceiver's cross-attention, CPU."""
+    if supports_fused_attention(query, key, value, mask, is_causal):
+        return fused_causal_attention(query, key, value, scale, dropout_p)
+    return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
+
+
+ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_attention}
 
 
 def attention_function(config: KnowGPTConfig):
@@ -135,8 +147,12 @@ def attention_function(config: KnowGPTConfig):
         raise ValueError(
             f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {implementation!r}"
         )
-    function = ATTENTION_FUNCTIONS[implementation]
-    kernel_dtype = config.attention_kernel_dtype
+    if implementation == "triton":  # the fused kernel is fp32 already; the kernel dtype applies to its fallback
+        return partial(triton_attention, fallback=_in_kernel_dtype(sdpa_attention, config.attention_kernel_dtype))
+    return _in_kernel_dtype(ATTENTION_FUNCTIONS[implementation], config.attention_kernel_dtype)
+
+
+def _in_kernel_dtype(function, kernel_dtype: str | None):
     return function if kernel_dtype is None else _in_precision(function, getattr(torch, kernel_dtype))
 
 

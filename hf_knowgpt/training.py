@@ -41,6 +41,8 @@ from data_loaders.span_corruption import (
     span_corrupt,
 )
 
+from .fused_attention import fused_attention_available
+
 logger = logging.getLogger(__name__)
 
 HANDOUT_WARMUP_TOKENS = 512 * 20
@@ -284,6 +286,9 @@ class TrainingArguments:
     length_groups: int | None = None
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
     compile: bool = False  # torch.compile the model inside the graphed step
+    # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
+    # (attn_implementation "triton", hf_knowgpt.fused_attention) for the run, when Triton is installed.
+    fused_attention: bool = True
     # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
     # whole run): the first part of a long run, for studies of early training. None: run to the end.
     stop_after_steps: int | None = None
@@ -583,9 +588,12 @@ class KnowGPTTrainer:
         self.training_path = path
         self.data.to(device)
         unwrapped = self.model
+        attn_implementation = unwrapped.config._attn_implementation
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
         elif device.type == "cuda":
+            if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
+                unwrapped.set_attn_implementation("triton")
             torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
             torch.backends.cudnn.allow_tf32 = True
             # Weight gradients sum over ~15k positions; split-K partial sums kept in bf16 lose them.
@@ -647,8 +655,7 @@ class KnowGPTTrainer:
             torch.cuda.synchronize()
         progress.close()
         seconds = time.perf_counter() - started
-        if path == "plain":
-            unwrapped.set_attn_implementation("sdpa")
+        unwrapped.config._attn_implementation = attn_implementation
         if args.report_to:
             accelerator.end_training()
         trained_examples = sum(self.steps_rows[start_step:global_step])

@@ -24,6 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 ATTENTION_TYPES = ["vanilla", "rope", "synthesizer", "perceiver"]
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state: a test that made a CPU accelerator would otherwise put
+    every later Accelerator() on the CPU, a GPU present or not."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+
+
 def tiny_config(attention_type="vanilla", **overrides):
     from hf_knowgpt import KnowGPTConfig
 

@@ -1,0 +1,308 @@
+"""A fused causal attention kernel for short sequences in half precision, computed as if in fp32,
+written in Triton.
+
+Why: under bf16 the handouts' recipe trains like fp32 only when the attention kernel runs in fp32
+(`KnowGPTConfig.attention_kernel_dtype`), and PyTorch's only fused fp32 kernel with dropout (the
+memory-efficient one) is tuned for long sequences: on an H200 it took 1.56 of the 3.5 ms of a
+training step at the handouts' 128 positions, four times what the bf16 flash kernel takes.
+
+How: one program per (batch, head) pair holds all its keys and values (at most 128 positions), so the
+softmax of a block of queries needs no online rescaling, and the backward pass accumulates the key
+and value gradients without atomics. The two products of half-precision operands (Q Kᵀ and dO Vᵀ)
+run on tensor cores exactly (products of bf16 or fp16 numbers are exact in fp32, and accumulate in
+fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or
+Q — split that operand into `splits` half-precision parts (x ≈ x₁ + x₂ + x₃, each the rounding of
+what is left), so three parts give fp32's 24 bits, two about 16, one what the flash kernel keeps. The
+dropout mask is regenerated from the call's seed in the backward pass instead of being stored, and
+the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ comes from fp32 registers rather than from the rounded output.
+
+`fused_causal_attention(query, key, value, scale, dropout_p)` takes (B, H, T, D) bf16 tensors (any
+strides) and returns the attended values in bf16. It applies to causal self-attention
+without a padding mask (training) with T ≤ 128 and D a power of two ≥ 16; `supports_fused_attention`
+says whether a call qualifies. It needs Triton and a CUDA device (or Triton's interpreter).
+"""
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU builds go without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installed torch
+    triton = None
+
+MAX_SEQ_LEN = 128
+# Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy.
+DEFAULT_SPLITS = 3
+
+
+def fused_attention_available() -> bool:
+    return triton is not None and torch.cuda.is_available()
+
+
+def supports_fused_attention(query, key, value, mask, is_causal) -> bool:
+    """Whether `fused_causal_attention` computes this call: causal bf16 self-attention over at most 128
+    positions, without a padding mask. (fp16 is not offered: on the GPU its value gradients came out NaN
+    in a test, a fault not found yet.)"""
+    if triton is None or mask is not None or not is_causal or not (query.is_cuda or _interpreted()):
+        return False
+    batch, heads, length, head_dim = query.shape
+    return (
+        key.shape == query.shape
+        and value.shape == query.shape
+        and query.dtype == torch.bfloat16
+        and key.dtype == query.dtype
+        and value.dtype == query.dtype
+        and length <= MAX_SEQ_LEN
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+        and batch * heads * _block(length) ** 2 < 2**31  # dropout offsets are int32
+    )
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: how the tests check them
+    without a GPU."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _block(length: int) -> int:
+    return max(16, 1 << (length - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims):
+        return b * stride_b + h * stride_h + rows[:, None] * stride_t + dims[None, :] * stride_d
+
+    @triton.jit
+    def _load(pointer, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, seq_len):
+        offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims)
+        return tl.load(pointer + offsets, mask=(rows < seq_len)[:, None], other=0.0)
+
+    @triton.jit
+    def _store(pointer, values, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, seq_len):
+        offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims)
+        tl.store(pointer + offsets, values.to(pointer.dtype.element_ty), mask=(rows < seq_len)[:, None])
+
+    @triton.jit
+    def _dropout_keep(seed_pointer, program, rows, cols, BLOCK_T: tl.constexpr, dropout_p):
+        """Which weights survive dropout: one uniform per (program, query, key) from the call's seed,
+        drawn identically by the forward and the backward kernel."""
+        offsets = program * BLOCK_T * BLOCK_T + rows[:, None] * BLOCK_T + cols[None, :]
+        return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
+
+    @triton.jit
+    def _dot(a, b, acc, INTERPRETED: tl.constexpr):
+        """acc + a·b of half-precision operands, products exact and sums in fp32 (tensor cores). The
+        interpreter multiplies bf16 bit patterns as integers, so there the same values go in as fp32."""
+        if INTERPRETED:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _split_dot(a, b, acc, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
+        """acc + a·b for fp32 `a` and half-precision `b`: `a` as a sum of SPLITS half-precision parts."""
+        part = a.to(b.dtype)
+        acc = _dot(part, b, acc, INTERPRETED)
+        if SPLITS > 1:
+            rest = a - part.to(tl.float32)
+            part = rest.to(b.dtype)
+            acc = _dot(part, b, acc, INTERPRETED)
+            if SPLITS > 2:
+                acc = _dot((rest - part.to(tl.float32)).to(b.dtype), b, acc, INTERPRETED)
+        return acc
+
+    @triton.jit
+    def _forward_kernel(
+        Q, K, V, OUT, LSE, SEED,
+        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
+        n_head, seq_len,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        program = tl.program_id(0)
+        b, h = program // n_head, program % n_head
+        cols, dims = tl.arange(0, BLOCK_T), tl.arange(0, HEAD_DIM)
+        k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, seq_len)
+        v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, seq_len)
+        for start in tl.static_range(0, BLOCK_T, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, seq_len)
+            scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED) * SCALE
+            scores = tl.where(cols[None, :] <= rows[:, None], scores, float("-inf"))
+            row_max = tl.max(scores, 1)
+            weights = tl.exp(scores - row_max[:, None])
+            row_sum = tl.sum(weights, 1)
+            weights = weights / row_sum[:, None]
+            if DROPOUT_P > 0:
+                keep = _dropout_keep(SEED, program, rows, cols, BLOCK_T, DROPOUT_P)
+                weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
+            out = _split_dot(weights, v, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), SPLITS, INTERPRETED)
+            _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, seq_len)
+            tl.store(LSE + program * seq_len + rows, row_max + tl.log(row_sum), mask=rows < seq_len)
+
+    @triton.jit
+    def _backward_kernel(
+        Q, K, V, GRAD_OUT, LSE, SEED, GRAD_Q, GRAD_K, GRAD_V,
+        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
+        n_head, seq_len,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        program = tl.program_id(0)
+        b, h = program // n_head, program % n_head
+        cols, dims = tl.arange(0, BLOCK_T), tl.arange(0, HEAD_DIM)
+        k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, seq_len)
+        v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, seq_len)
+        grad_k = tl.zeros((BLOCK_T, HEAD_DIM), tl.float32)
+        grad_v = tl.zeros((BLOCK_T, HEAD_DIM), tl.float32)
+        # The gradients are fresh contiguous (B, H, T, D) tensors.
+        head_stride = seq_len * HEAD_DIM
+        batch_stride = n_head * head_stride
+        for start in tl.static_range(0, BLOCK_T, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, seq_len)
+            grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, seq_len)
+            lse = tl.load(LSE + program * seq_len + rows, mask=rows < seq_len, other=0.0)
+            scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED) * SCALE
+            weights = tl.where(cols[None, :] <= rows[:, None], tl.exp(scores - lse[:, None]), 0.0)
+            grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED)
+            if DROPOUT_P > 0:
+                keep = _dropout_keep(SEED, program, rows, cols, BLOCK_T, DROPOUT_P)
+                kept_weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
+                grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
+            else:
+                kept_weights = weights
+            grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
+            # Softmax backward: dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), the sum taken in fp32.
+            correction = tl.sum(weights * grad_weights, 1)
+            grad_scores = weights * (grad_weights - correction[:, None]) * SCALE
+            grad_q = _split_dot(grad_scores, k, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), SPLITS, INTERPRETED)
+            _store(GRAD_Q, grad_q, b, h, batch_stride, head_stride, HEAD_DIM, 1, rows, dims, seq_len)
+            grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
+        _store(GRAD_K, grad_k, b, h, batch_stride, head_stride, HEAD_DIM, 1, cols, dims, seq_len)
+        _store(GRAD_V, grad_v, b, h, batch_stride, head_stride, HEAD_DIM, 1, cols, dims, seq_len)
+
+    def _launch_options(length: int) -> dict:
+        block = _block(length)
+        # Measured on an H200 at (128, 8, 114, 32) (benchmarks/bench_attention.py): all 128 queries in one
+        # block with 8 warps took 0.34 ms forward and backward, 64-query blocks with 4 warps 0.59 ms.
+        return {
+            "BLOCK_T": block,
+            "BLOCK_M": block,
+            "num_warps": 8 if block >= 64 else 4,
+            "INTERPRETED": _interpreted(),
+        }
+
+    @torch.library.triton_op("knowgpt::causal_attention_forward", mutates_args=())
+    def _causal_attention_forward(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        seed: torch.Tensor,
+        scale: float,
+        dropout_p: float,
+        splits: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, heads, length, head_dim = query.shape
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
+        torch.library.wrap_triton(_forward_kernel)[(batch * heads,)](
+            query, key, value, out, lse, seed,
+            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+            heads, length,
+            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, **_launch_options(length),
+        )  # fmt: skip
+        return out, lse
+
+    @torch.library.triton_op("knowgpt::causal_attention_backward", mutates_args=())
+    def _causal_attention_backward(
+        grad_out: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        lse: torch.Tensor,
+        seed: torch.Tensor,
+        scale: float,
+        dropout_p: float,
+        splits: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, heads, length, head_dim = query.shape
+        grad_out = grad_out.to(query.dtype)
+        grad_q = torch.empty(query.shape, device=query.device, dtype=query.dtype)
+        grad_k = torch.empty(key.shape, device=key.device, dtype=key.dtype)
+        grad_v = torch.empty(value.shape, device=value.device, dtype=value.dtype)
+        torch.library.wrap_triton(_backward_kernel)[(batch * heads,)](
+            query, key, value, grad_out, lse, seed, grad_q, grad_k, grad_v,
+            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
+            heads, length,
+            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, **_launch_options(length),
+        )  # fmt: skip
+        return grad_q, grad_k, grad_v
+
+    def _setup_context(ctx, inputs, output):
+        query, key, value, seed, scale, dropout_p, splits = inputs
+        ctx.save_for_backward(query, key, value, seed, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.options = (scale, dropout_p, splits)
+
+    def _backward(ctx, grad_out, grad_lse):
+        query, key, value, seed, lse = ctx.saved_tensors
+        grads = _causal_attention_backward(grad_out, query, key, value, lse, seed, *ctx.options)
+        return (*grads, None, None, None, None)
+
+    _causal_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_causal_attention(
+    query, key, value, scale: float, dropout_p: float = 0.0, splits: int | None = None, seed=None
+):
+    """Causal softmax(Q Kᵀ · scale) V with dropout on the weights, computed as in fp32; see the module docstring.
+
+    `splits` (1–3, default `DEFAULT_SPLITS`): half-precision parts of the fp32 operands. `seed` (an int64
+    tensor of one element on the inputs' device) fixes the dropout mask; by default each call draws one."""
+    if not supports_fused_attention(query, key, value, None, True):
+        raise ValueError(
+            "fused_causal_attention needs Triton and bf16 CUDA tensors of one shape (B, H, T ≤ 128, D) "
+            f"with D a power of two ≥ 16; got {tuple(query.shape)} {query.dtype} on {query.device}"
+        )
+    splits = DEFAULT_SPLITS if splits is None else splits
+    if splits not in (1, 2, 3):
+        raise ValueError(f"splits must be 1, 2 or 3, got {splits!r}")
+    # One seed per call, drawn from torch's CUDA generator: captured CUDA graphs and torch.compile both
+    # replay it with a fresh value, and torch.manual_seed reproduces it.
+    if seed is None:
+        seed = torch.randint(0, 2**31 - 1, (1,), device=query.device, dtype=torch.int64)
+    out, _ = _causal_attention_forward(query, key, value, seed, float(scale), float(dropout_p), int(splits))
+    return out
+
+
+def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, length: int, dropout_p: float):
+    """The (B, H, T, T) boolean mask of the weights the kernels keep for `seed`, for tests and debugging."""
+    block = _block(length)
+    keep = torch.empty(batch * heads, block, block, dtype=torch.int8, device=seed.device)
+    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, BLOCK_T=block)
+    return keep[:, :length, :length].bool().view(batch, heads, length, length)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mask_kernel(SEED, KEEP, dropout_p, BLOCK_T: tl.constexpr):
+        program = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_T)
+        keep = _dropout_keep(SEED, program, rows, rows, BLOCK_T, dropout_p)
+        offsets = program * BLOCK_T * BLOCK_T + rows[:, None] * BLOCK_T + rows[None, :]
+        tl.store(KEEP + offsets, keep.to(tl.int8))
+
+
+__all__ = [
+    "DEFAULT_SPLITS",
+    "dropout_keep_mask",
+    "fused_attention_available",
+    "fused_causal_attention",
+    "supports_fused_attention",
+]

@@ -1,0 +1,179 @@
+"""The fused Triton attention kernel computes causal attention with dropout exactly (to fp32 rounding),
+forward and backward, against an fp64 reference that uses the kernel's own dropout mask; and the
+"triton" attention implementation falls back to SDPA wherever the kernel does not apply.
+
+The kernel tests need Triton and either a CUDA device or Triton's interpreter on the CPU
+(`pip install triton`, then `TRITON_INTERPRET=1 python -m pytest tests/test_fused_attention.py`).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention
+from hf_knowgpt.fused_attention import dropout_keep_mask, fused_causal_attention, supports_fused_attention
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if fused_attention.triton is None:
+    KERNEL_SKIP = "Triton is not installed (CPU builds of torch come without it)"
+elif not (torch.cuda.is_available() or INTERPRETED):
+    KERNEL_SKIP = "no CUDA device; TRITON_INTERPRET=1 runs the kernels on the CPU"
+else:
+    KERNEL_SKIP = None
+needs_kernel = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+
+
+def reference_attention(query, key, value, scale, keep=None, dropout_p=0.0):
+    """fp64 causal attention; dropout applies `keep` (the kernel's mask) to the softmax weights."""
+    length = query.shape[-2]
+    scores = query.double() @ key.double().transpose(-1, -2) * scale
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    if keep is not None:
+        weights = torch.where(keep, weights / (1 - dropout_p), 0.0)
+    return weights @ value.double()
+
+
+def head_inputs(batch, heads, length, head_dim, dtype, transposed):
+    """Query, key and value as the model hands them over: (B, H, T, D) views of (B, T, H·D) projections."""
+    tensors = []
+    for _ in range(3):
+        if transposed:
+            states = torch.randn(batch, length, heads * head_dim, device=DEVICE)
+            tensor = states.view(batch, length, heads, head_dim).transpose(1, 2)
+        else:
+            tensor = torch.randn(batch, heads, length, head_dim, device=DEVICE)
+        tensors.append(tensor.to(dtype).requires_grad_())
+    return tensors
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("length,transposed", [(37, True), (128, False)])
+def test_kernel_matches_fp64_reference_forward_and_backward(dtype, dropout_p, length, transposed):
+    torch.manual_seed(0)
+    batch, heads, head_dim = 2, 3, 32
+    query, key, value = head_inputs(batch, heads, length, head_dim, dtype, transposed)
+    scale = 1 / math.sqrt(head_dim)
+    seed = torch.tensor([1234], dtype=torch.int64, device=DEVICE)
+    out = fused_causal_attention(query, key, value, scale, dropout_p, splits=3, seed=seed)
+    keep = dropout_keep_mask(seed, batch, heads, length, dropout_p) if dropout_p else None
+    expected = reference_attention(query, key, value, scale, keep, dropout_p)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, key, value), grad)
+    expected_grads = torch.autograd.grad(expected, (query, key, value), grad.double())
+
+    assert out.dtype == dtype and out.shape == query.shape
+    assert all(g.dtype == dtype and g.shape == query.shape for g in grads)
+    # Computed as in fp32, so each result is the exact one rounded to bf16: within one unit in its last
+    # place (2⁻⁷ relative).
+    ulp = 2**-7
+    torch.testing.assert_close(out, expected.to(dtype), rtol=ulp, atol=1e-6)
+    for name, got, want in zip("qkv", grads, expected_grads):
+        message = lambda text, name=name: f"gradient of {name}: {text}"  # noqa: E731
+        torch.testing.assert_close(got, want, rtol=ulp, atol=1e-6, msg=message)
+
+
+@needs_kernel
+def test_dropout_mask_rate_and_freshness():
+    batch, heads, length = 4, 2, 64
+    seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
+    keep = dropout_keep_mask(seed, batch, heads, length, 0.1)
+    assert abs(keep.float().mean().item() - 0.9) < 0.01  # 32,768 draws: σ ≈ 0.0017
+    assert torch.equal(keep, dropout_keep_mask(seed, batch, heads, length, 0.1))
+    other = dropout_keep_mask(seed + 1, batch, heads, length, 0.1)
+    assert (keep != other).float().mean() > 0.1  # independent masks differ in ~18% of places
+    # Each call draws its own seed from torch's generator: two calls differ, a reseeded call repeats.
+    query, key, value = head_inputs(1, 2, 40, 16, torch.bfloat16, False)
+    torch.manual_seed(3)
+    first = fused_causal_attention(query, key, value, 0.25, 0.5)
+    second = fused_causal_attention(query, key, value, 0.25, 0.5)
+    torch.manual_seed(3)
+    again = fused_causal_attention(query, key, value, 0.25, 0.5)
+    assert not torch.equal(first, second)
+    assert torch.equal(first, again)
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope"])
+def test_triton_implementation_trains_like_sdpa(attention_type):
+    """Under bf16 autocast the model's loss and gradients are as close to fp32 training's with the fused
+    kernel as with SDPA's fp32 kernel (no dropout; packed tokens included)."""
+    torch.manual_seed(0)
+    config = KnowGPTConfig(
+        vocab_size=60, n_layer=2, n_head=4, n_embd=64, block_size=48, attention_type=attention_type,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+    )  # fmt: skip
+    model = KnowGPTForCausalLM(config).to(DEVICE).train()
+    input_ids = torch.randint(0, 60, (3, 48), device=DEVICE)
+    lengths = [48, 30, 17]
+    token_index = torch.cat([torch.arange(n, device=DEVICE) + 48 * row for row, n in enumerate(lengths)])
+
+    def loss_and_gradient(implementation, autocast=True):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=input_ids, labels=input_ids, token_index=token_index, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    exact_loss, exact_gradient = loss_and_gradient("sdpa", autocast=False)
+    errors = {}
+    for implementation in ("triton", "sdpa"):
+        loss, gradient = loss_and_gradient(implementation)
+        errors[implementation] = (
+            abs(loss - exact_loss).item(),
+            ((gradient - exact_gradient).norm() / exact_gradient.norm()).item(),
+        )
+    fused, sdpa = errors["triton"], errors["sdpa"]
+    assert fused[1] < 0.02  # what bf16 projections cost: ~1% of the gradient
+    assert fused[0] <= 2 * sdpa[0] + 1e-4 and fused[1] <= 1.5 * sdpa[1], errors
+
+
+def test_only_unmasked_short_causal_half_precision_calls_qualify():
+    query = torch.zeros(2, 4, 100, 32, device=DEVICE, dtype=torch.bfloat16)
+    qualifies = fused_attention.triton is not None and (query.is_cuda or INTERPRETED)
+    assert supports_fused_attention(query, query, query, None, True) == qualifies
+    assert not supports_fused_attention(query, query, query, torch.zeros(2, 1, 100, 100), True)  # padding mask
+    assert not supports_fused_attention(query, query, query, None, False)  # not causal
+    single, half = query.float(), query.half()
+    assert not supports_fused_attention(single, single, single, None, True)  # fp32: SDPA is the fp32 kernel
+    assert not supports_fused_attention(half, half, half, None, True)  # fp16: not offered
+    long = torch.zeros(2, 4, 129, 32, device=DEVICE, dtype=torch.bfloat16)
+    assert not supports_fused_attention(long, long, long, None, True)  # beyond one 128-position block
+    odd = torch.zeros(2, 4, 100, 24, device=DEVICE, dtype=torch.bfloat16)
+    assert not supports_fused_attention(odd, odd, odd, None, True)  # head_dim not a power of two
+    with pytest.raises(ValueError, match="fused_causal_attention needs"):
+        fused_causal_attention(long, long, long, 0.1)
+
+
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer", "perceiver"])
+def test_triton_implementation_elsewhere_is_sdpa(attention_type):
+    """With a padding mask, the KV cache, on CPU or for attention the kernel does not cover, "triton"
+    gives what "sdpa" gives (its fallback), so a model can keep it for evaluation and generation."""
+    torch.manual_seed(0)
+    config = KnowGPTConfig(
+        vocab_size=40, n_layer=3, n_head=2, n_embd=32, block_size=24, attention_type=attention_type,
+        bottleneck_dim=8,
+    )  # fmt: skip
+    model = KnowGPTForCausalLM(config).eval()
+    input_ids = torch.randint(0, 40, (2, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :4] = 0  # left padding
+
+    def outputs(implementation):
+        model.set_attn_implementation(implementation)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        generated = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+        return logits, generated
+
+    triton_logits, triton_generated = outputs("triton")
+    sdpa_logits, sdpa_generated = outputs("sdpa")
+    torch.testing.assert_close(triton_logits, sdpa_logits)
+    assert torch.equal(triton_generated, sdpa_generated)
