@@ -1,5 +1,4 @@
-"""A fused causal attention kernel for short sequences in half precision, computed as if in fp32,
-written in Triton.
+"""A fused causal attention kernel for short bf16 sequences, computed as if in fp32, written in Triton.
 
 Why: under bf16 the handouts' recipe trains like fp32 only when the attention kernel runs in fp32
 (`KnowGPTConfig.attention_kernel_dtype`), and PyTorch's only fused fp32 kernel with dropout (the
@@ -8,10 +7,10 @@ training step at the handouts' 128 positions, four times what the bf16 flash ker
 
 How: one program per (batch, head) pair holds all its keys and values (at most 128 positions), so the
 softmax of a block of queries needs no online rescaling, and the backward pass accumulates the key
-and value gradients without atomics. The two products of half-precision operands (Q Kᵀ and dO Vᵀ)
-run on tensor cores exactly (products of bf16 or fp16 numbers are exact in fp32, and accumulate in
-fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or
-Q — split that operand into `splits` half-precision parts (x ≈ x₁ + x₂ + x₃, each the rounding of
+and value gradients without atomics. The two products of bf16 operands (Q Kᵀ and dO Vᵀ) run on
+tensor cores exactly (products of bf16 numbers are exact in fp32, and accumulate in fp32). The
+products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q — split
+that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of
 what is left), so three parts give fp32's 24 bits, two about 16, one what the flash kernel keeps. The
 dropout mask is regenerated from the call's seed in the backward pass instead of being stored, and
 the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ comes from fp32 registers rather than from the rounded output.

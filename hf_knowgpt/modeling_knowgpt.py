@@ -129,10 +129,10 @@ def eager_attention(query, key, value, mask, scale, dropout_p, is_causal):
 
 
 def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, fallback=sdpa_attention):
-    """The fused Triton kernel (`hf_knowgpt.fused_attention`, fp32 inside whatever the inputs' precision)
-    where it applies: causal self-attention without a padding mask over at most 128 positions on a CUDA
-    device, i.e. training. `fallback` (SDPA) everywhere else: masks, the KV cache, the synthesizer's
-    bias, the perceiver's cross-attention, CPU."""
+    """The fused Triton kernel (`hf_knowgpt.fused_attention`: bf16 in and out, computed as in fp32) where
+    it applies: causal bf16 self-attention without a padding mask over at most 128 positions on a CUDA
+    device, i.e. bf16 training. `fallback` (SDPA) everywhere else: fp32, masks, the KV cache, the
+    synthesizer's bias, the perceiver's cross-attention, CPU."""
     if supports_fused_attention(query, key, value, mask, is_causal):
         return fused_causal_attention(query, key, value, scale, dropout_p)
     return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
@@ -392,7 +392,8 @@ class KnowGPTPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = False
 
     def set_attn_implementation(self, attn_implementation: str, **kwargs):
-        """Switch between fused ("sdpa") and unfused, handout-style ("eager") attention."""
+        """Switch between fused ("sdpa"), unfused handout-style ("eager") and, for bf16 training on a GPU,
+        the fused Triton kernel with SDPA elsewhere ("triton"; see `triton_attention`)."""
         if attn_implementation not in ATTENTION_FUNCTIONS:
             raise ValueError(
                 f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {attn_implementation!r}"
