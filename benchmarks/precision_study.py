@@ -109,11 +109,11 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
         vocab_size=len(tokenizer),
         attention_type="vanilla",
         unk_token_id=tokenizer.unk_token_id,
-        attention_kernel_dtype={
-            "bf16-attn-fp32": "float32",
-            "bf16-attn-fp32-eager": "float32",
-            "bf16-attn-fp16": "float16",
-        }.get(setting, "float32" if setting.startswith("bf16-attn-triton") else None),
+        attention_kernel_dtype="float32"
+        if setting.startswith(("bf16-attn-fp32", "bf16-attn-triton"))
+        else "float16"
+        if setting == "bf16-attn-fp16"
+        else None,
         **HANDOUT.model,
     )
     block = config.block_size

@@ -115,6 +115,12 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _causal_scores(q, k, rows, cols, SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Q Kᵀ · scale for a block of queries against every key, −∞ where the key comes after the query."""
+        scores = _dot(q, tl.trans(k), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED) * SCALE
+        return tl.where(cols[None, :] <= rows[:, None], scores, float("-inf"))
+
+    @triton.jit
     def _forward_kernel(
         Q, K, V, OUT, LSE, SEED,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
@@ -130,8 +136,7 @@ if triton is not None:
         for start in tl.static_range(0, BLOCK_T, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, seq_len)
-            scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED) * SCALE
-            scores = tl.where(cols[None, :] <= rows[:, None], scores, float("-inf"))
+            scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
             row_max = tl.max(scores, 1)
             weights = tl.exp(scores - row_max[:, None])
             row_sum = tl.sum(weights, 1)
@@ -166,8 +171,7 @@ if triton is not None:
             q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, seq_len)
             grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, seq_len)
             lse = tl.load(LSE + program * seq_len + rows, mask=rows < seq_len, other=0.0)
-            scores = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED) * SCALE
-            weights = tl.where(cols[None, :] <= rows[:, None], tl.exp(scores - lse[:, None]), 0.0)
+            weights = tl.exp(_causal_scores(q, k, rows, cols, SCALE, INTERPRETED) - lse[:, None])
             grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED)
             if DROPOUT_P > 0:
                 keep = _dropout_keep(SEED, program, rows, cols, BLOCK_T, DROPOUT_P)
