@@ -3,11 +3,14 @@
 attention with dropout 0.1 on bf16 projections (batch 128, 8 heads, 114 positions, head size 32), one
 CUDA graph per kernel replayed many times. Prints a table last.
 
-    python benchmarks/bench_attention.py
+    python benchmarks/bench_attention.py --data_dir .data
 
 Kernels: the fused Triton kernel (`hf_knowgpt.fused_attention`) with 1–3 half-precision parts of its fp32
-operands, and several query-block sizes and warp counts; SDPA with the inputs cast to fp32 (the memory-efficient kernel: what `attention_kernel_dtype=
-"float32"` ran before); SDPA in bf16 (flash: fast, but training diverges with it); unfused fp32.
+operands and several block sizes and warp counts, told each row's real length (as packed training does:
+the lengths of the recipe's first batch of corrupted wiki.txt documents) or not; SDPA with the inputs
+cast to fp32 (the memory-efficient kernel: what `attention_kernel_dtype="float32"` runs); SDPA in bf16
+(flash: fast, but training diverges with it); unfused fp32. SDPA and the unfused kernel compute every
+position whatever the lengths.
 """
 
 import argparse
@@ -27,21 +30,37 @@ from hf_knowgpt.modeling_knowgpt import _in_precision, eager_attention, sdpa_att
 
 
 @contextlib.contextmanager
-def launch_options(overrides):
-    """Launch the fused kernels (forward and backward) with these options for the duration."""
-    original = fused_attention._launch_options
-    fused_attention._launch_options = lambda length: {**original(length), **overrides}
+def launch_options(block_size=None, num_warps=None):
+    """Launch the fused kernels (forward and backward) with this block size and warp count for the duration."""
+    original = fused_attention.BLOCK_SIZE, fused_attention.NUM_WARPS
+    if block_size is not None:
+        fused_attention.BLOCK_SIZE = block_size
+        fused_attention.NUM_WARPS = {**original[1], block_size: num_warps or original[1][block_size]}
     try:
         yield
     finally:
-        fused_attention._launch_options = original
+        fused_attention.BLOCK_SIZE, fused_attention.NUM_WARPS = original
 
 
-def triton_kernel(splits):
+def triton_kernel(splits, lengths=None):
     def attention(query, key, value, scale, dropout_p):
-        return fused_attention.fused_causal_attention(query, key, value, scale, dropout_p, splits=splits)
+        return fused_attention.fused_causal_attention(
+            query, key, value, scale, dropout_p, splits=splits, lengths=lengths
+        )
 
     return attention
+
+
+def recipe_lengths(data_dir, batch, length):
+    """Lengths of the recipe's first batch of corrupted documents (as the training step sees them)."""
+    from data_loaders import encode_documents, read_corpus
+    from hf_knowgpt.training import PretrainingData
+    from hf_knowgpt.workflows import corpus_tokenizer
+
+    corpus = Path(data_dir) / "wiki.txt"
+    data = PretrainingData(*encode_documents(corpus_tokenizer(corpus), read_corpus(corpus), 128), 128)
+    lengths, _ = data.plan(torch.arange(batch), torch.Generator().manual_seed(0))
+    return lengths.clamp(max=length)
 
 
 def library_kernel(function, kernel_dtype):
@@ -88,6 +107,7 @@ def main():
     parser.add_argument("--head_dim", type=int, default=32)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--replays", type=int, default=200)
+    parser.add_argument("--data_dir", default=".data", help="where wiki.txt is (for realistic row lengths)")
     parser.add_argument("--results", default=None, help="JSON file for the table")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -98,26 +118,34 @@ def main():
     grad = torch.randn(args.batch, args.heads, args.length, args.head_dim, device="cuda").bfloat16()
     scale = 1 / math.sqrt(args.head_dim)
 
+    lengths = recipe_lengths(args.data_dir, args.batch, args.length).cuda()
+    print(f"row lengths: mean {lengths.float().mean():.1f}, min {lengths.min()}, max {lengths.max()}")
     kernels = {  # name: (attention, launch options of the fused kernel)
         "sdpa, inputs cast to fp32 (memory-efficient)": (library_kernel(sdpa_attention, torch.float32), {}),
         "sdpa bf16 (flash; diverges in training)": (library_kernel(sdpa_attention, None), {}),
         "unfused fp32 (TF32 products)": (library_kernel(eager_attention, torch.float32), {}),
-        "triton, library defaults": (triton_kernel(None), {}),
+        "triton, library defaults, lengths": (triton_kernel(None, lengths), {}),
+        "triton, library defaults, no lengths": (triton_kernel(None), {}),
     }
-    for splits in (3, 2, 1):
-        for block_m, num_warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
-            name = f"triton {splits} split(s), {block_m}-query blocks, {num_warps} warps"
-            kernels[name] = (triton_kernel(splits), {"BLOCK_M": block_m, "num_warps": num_warps})
+    for splits in (3, 1):
+        for block, num_warps in ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
+            options = {"block_size": block, "num_warps": num_warps}
+            name = f"triton {splits} split(s), {block}-blocks, {num_warps} warps"
+            kernels[name + ", lengths"] = (triton_kernel(splits, lengths), options)
+            if splits == 3 and block in (32, 128):
+                kernels[name + ", no lengths"] = (triton_kernel(splits), options)
 
     with torch.no_grad():  # one reference: fp32 SDPA without dropout
         reference = library_kernel(sdpa_attention, torch.float32)(*inputs, scale, 0.0).float()
+    real = (torch.arange(args.length, device="cuda") < lengths[:, None])[:, None, :, None]  # compared there
     rows = []
     for name, (attention, options) in kernels.items():
         try:
-            with launch_options(options):
+            with launch_options(**options):
                 milliseconds = time_kernel(attention, inputs, grad, scale, args.dropout, args.replays)
                 with torch.no_grad():
-                    error = (attention(*inputs, scale, 0.0).float() - reference).abs().max().item()
+                    difference = (attention(*inputs, scale, 0.0).float() - reference) * real
+                    error = difference.abs().max().item()
         except Exception as failure:  # a warp count a kernel cannot run with is reported, not fatal
             milliseconds, error = float("nan"), f"{type(failure).__name__}: {str(failure)[:80]}"
         rows.append({"kernel": name, "ms": milliseconds, "max_abs_difference": error})
@@ -128,7 +156,7 @@ def main():
     print(
         f"\n{describe_device()}; forward + backward, ({args.batch}, {args.heads}, {args.length}, {args.head_dim}) bf16"
     )
-    print(f"{'kernel':<56}{'ms':>8}{'vs sdpa fp32':>14}  max |difference| to fp32 sdpa (no dropout)")
+    print(f"{'kernel':<56}{'ms':>8}{'vs sdpa fp32':>14}  max |difference| to fp32 sdpa at real positions (no dropout)")
     for row in rows:
         error = row["max_abs_difference"]
         error = f"{error:.2e}" if isinstance(error, float) else error

@@ -5,10 +5,10 @@ and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
     python benchmarks/profile_step.py --data_dir .data
 
-A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3]][:kernel=float32|float16|none]`:
+A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N]][:kernel=float32|float16|none]`:
 `eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
-`triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`),
-otherwise SDPA; `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
+`triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`) and
+blocks of N positions (default the library's), otherwise SDPA; `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
 default float32).
 """
 
@@ -29,6 +29,8 @@ from hf_knowgpt.recipes import HANDOUT  # noqa: E402
 from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator  # noqa: E402
 from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
 
+LIBRARY_BLOCK_SIZE = fused_attention.BLOCK_SIZE
+
 
 def parse_variant(variant: str) -> dict:
     parts = variant.split(":")
@@ -38,6 +40,8 @@ def parse_variant(variant: str) -> dict:
         if part.startswith("triton-attn"):
             options["attn_implementation"] = "triton"
             fused_attention.DEFAULT_SPLITS = int(part.partition("=")[2] or 3)
+            blocks = [p.split("=", 1)[1] for p in parts[2:] if p.startswith("block=")]
+            fused_attention.BLOCK_SIZE = int(blocks[-1]) if blocks else LIBRARY_BLOCK_SIZE
     kernels = [p.split("=", 1)[1] for p in parts[2:] if p.startswith("kernel=")]
     options["kernel_dtype"] = None if kernels[-1:] == ["none"] else (kernels[-1] if kernels else "float32")
     return options

@@ -34,6 +34,10 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 MAX_SEQ_LEN = 128
 # Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy.
 DEFAULT_SPLITS = 3
+# Positions per block of queries or keys, and warps per program for each block size (tuned with
+# benchmarks/bench_attention.py; see benchmarks/RESULTS.md).
+BLOCK_SIZE = 16
+NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 8}
 
 
 def fused_attention_available() -> bool:
@@ -77,20 +81,23 @@ if triton is not None:
         return b * stride_b + h * stride_h + rows[:, None] * stride_t + dims[None, :] * stride_d
 
     @triton.jit
-    def _load(pointer, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, seq_len):
+    def _load(pointer, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, length):
+        """Rows at or beyond `length` (padding) read as zeros."""
         offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims)
-        return tl.load(pointer + offsets, mask=(rows < seq_len)[:, None], other=0.0)
+        return tl.load(pointer + offsets, mask=(rows < length)[:, None], other=0.0)
 
     @triton.jit
-    def _store(pointer, values, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, seq_len):
+    def _store(pointer, values, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, length, seq_len):
+        """Every row before `seq_len`, zeros from `length` on."""
         offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims)
+        values = tl.where((rows < length)[:, None], values, 0.0)
         tl.store(pointer + offsets, values.to(pointer.dtype.element_ty), mask=(rows < seq_len)[:, None])
 
     @triton.jit
-    def _dropout_keep(seed_pointer, program, rows, cols, BLOCK_T: tl.constexpr, dropout_p):
-        """Which weights survive dropout: one uniform per (program, query, key) from the call's seed,
-        drawn identically by the forward and the backward kernel."""
-        offsets = program * BLOCK_T * BLOCK_T + rows[:, None] * BLOCK_T + cols[None, :]
+    def _dropout_keep(seed_pointer, program, rows, cols, ROW_STRIDE: tl.constexpr, dropout_p):
+        """Which weights survive dropout: one uniform per (batch·head, query, key) from the call's seed,
+        drawn identically by the forward and the backward kernel, whatever their block size."""
+        offsets = program * ROW_STRIDE * ROW_STRIDE + rows[:, None] * ROW_STRIDE + cols[None, :]
         return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
 
     @triton.jit
@@ -116,89 +123,150 @@ if triton is not None:
 
     @triton.jit
     def _causal_scores(q, k, rows, cols, SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Q Kᵀ · scale for a block of queries against every key, −∞ where the key comes after the query."""
+        """Q Kᵀ · scale for a block of queries against a block of keys, −∞ where the key comes after the query."""
         scores = _dot(q, tl.trans(k), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED) * SCALE
         return tl.where(cols[None, :] <= rows[:, None], scores, float("-inf"))
 
     @triton.jit
+    def _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS: tl.constexpr):
+        if HAS_LENGTHS:
+            return tl.minimum(tl.load(LENGTHS + b), seq_len)
+        return seq_len
+
+    @triton.jit
     def _forward_kernel(
-        Q, K, V, OUT, LSE, SEED,
+        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
         n_head, seq_len,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
+        BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
-        program = tl.program_id(0)
+        """One block of queries of one (batch, head): online softmax over the key blocks it sees."""
+        query_block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
-        cols, dims = tl.arange(0, BLOCK_T), tl.arange(0, HEAD_DIM)
-        k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, seq_len)
-        v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, seq_len)
-        for start in tl.static_range(0, BLOCK_T, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, seq_len)
-            scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
-            row_max = tl.max(scores, 1)
-            weights = tl.exp(scores - row_max[:, None])
-            row_sum = tl.sum(weights, 1)
-            weights = weights / row_sum[:, None]
-            if DROPOUT_P > 0:
-                keep = _dropout_keep(SEED, program, rows, cols, BLOCK_T, DROPOUT_P)
-                weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
-            out = _split_dot(weights, v, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), SPLITS, INTERPRETED)
-            _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, seq_len)
-            tl.store(LSE + program * seq_len + rows, row_max + tl.log(row_sum), mask=rows < seq_len)
+        length = _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS)
+        rows, dims = query_block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
+        row_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+        row_sum = tl.zeros((BLOCK,), tl.float32)
+        out = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        if query_block * BLOCK < length:  # blocks of padding only are skipped (and written as zeros)
+            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length)
+            for key_block in range(0, query_block + 1):
+                cols = key_block * BLOCK + tl.arange(0, BLOCK)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length)
+                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length)
+                scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
+                new_max = tl.maximum(row_max, tl.max(scores, 1))
+                rescale = tl.exp(row_max - new_max)
+                weights = tl.exp(scores - new_max[:, None])
+                row_sum = row_sum * rescale + tl.sum(weights, 1)
+                if DROPOUT_P > 0:
+                    weights = tl.where(_dropout_keep(SEED, program, rows, cols, ROW_STRIDE, DROPOUT_P), weights, 0.0)
+                out = _split_dot(weights, v, out * rescale[:, None], SPLITS, INTERPRETED)
+                row_max = new_max
+        real = rows < length
+        out = out / (tl.where(real, row_sum, 1.0) * (1.0 - DROPOUT_P))[:, None]
+        _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, length, seq_len)
+        # The fp32 output gives the backward pass its softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ unrounded.
+        head_stride = seq_len * HEAD_DIM
+        _store(OUT32, out, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, seq_len)
+        lse = tl.where(real, row_max + tl.log(tl.where(real, row_sum, 1.0)), 0.0)
+        tl.store(LSE + program * seq_len + rows, lse, mask=rows < seq_len)
+
+    @triton.jit
+    def _query_terms(
+        Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, seq_len, n_head,
+        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and dOᵢ·Oᵢ."""
+        q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length)
+        grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length)
+        head_stride = seq_len * HEAD_DIM
+        out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length)
+        lse = tl.load(LSE + program * seq_len + rows, mask=rows < length, other=0.0)
+        return q, grad_out, lse, tl.sum(grad_out.to(tl.float32) * out, 1)
+
+    @triton.jit
+    def _weight_gradients(
+        q, k, v, grad_out, lse, correction, rows, cols, SEED, program,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, ROW_STRIDE: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        """For a block of queries against a block of keys: the weights after dropout (what multiplied V)
+        and the score gradient dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), all in fp32."""
+        weights = tl.exp(_causal_scores(q, k, rows, cols, SCALE, INTERPRETED) - lse[:, None])
+        grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED)
+        if DROPOUT_P > 0:
+            keep = _dropout_keep(SEED, program, rows, cols, ROW_STRIDE, DROPOUT_P)
+            kept_weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
+            grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
+        else:
+            kept_weights = weights
+        return kept_weights, weights * (grad_weights - correction[:, None]) * SCALE
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, GRAD_OUT, LSE, SEED, GRAD_Q, GRAD_K, GRAD_V,
+        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, GRAD_Q, GRAD_K, GRAD_V,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         n_head, seq_len,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
+        BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
-        program = tl.program_id(0)
+        """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
+        them), then of queries i (over the key blocks they see), so no two programs write one gradient."""
+        block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
-        cols, dims = tl.arange(0, BLOCK_T), tl.arange(0, HEAD_DIM)
-        k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, seq_len)
-        v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, seq_len)
-        grad_k = tl.zeros((BLOCK_T, HEAD_DIM), tl.float32)
-        grad_v = tl.zeros((BLOCK_T, HEAD_DIM), tl.float32)
+        length = _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS)
+        positions, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
         # The gradients are fresh contiguous (B, H, T, D) tensors.
         head_stride = seq_len * HEAD_DIM
         batch_stride = n_head * head_stride
-        for start in tl.static_range(0, BLOCK_T, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, seq_len)
-            grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, seq_len)
-            lse = tl.load(LSE + program * seq_len + rows, mask=rows < seq_len, other=0.0)
-            weights = tl.exp(_causal_scores(q, k, rows, cols, SCALE, INTERPRETED) - lse[:, None])
-            grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((BLOCK_M, BLOCK_T), tl.float32), INTERPRETED)
-            if DROPOUT_P > 0:
-                keep = _dropout_keep(SEED, program, rows, cols, BLOCK_T, DROPOUT_P)
-                kept_weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
-                grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
-            else:
-                kept_weights = weights
-            grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
-            # Softmax backward: dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), the sum taken in fp32.
-            correction = tl.sum(weights * grad_weights, 1)
-            grad_scores = weights * (grad_weights - correction[:, None]) * SCALE
-            grad_q = _split_dot(grad_scores, k, tl.zeros((BLOCK_M, HEAD_DIM), tl.float32), SPLITS, INTERPRETED)
-            _store(GRAD_Q, grad_q, b, h, batch_stride, head_stride, HEAD_DIM, 1, rows, dims, seq_len)
-            grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
-        _store(GRAD_K, grad_k, b, h, batch_stride, head_stride, HEAD_DIM, 1, cols, dims, seq_len)
-        _store(GRAD_V, grad_v, b, h, batch_stride, head_stride, HEAD_DIM, 1, cols, dims, seq_len)
+        grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        if block * BLOCK < length:
+            k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length)
+            v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length)
+            for query_block in range(block, tl.cdiv(length, BLOCK)):
+                rows = query_block * BLOCK + tl.arange(0, BLOCK)
+                q, grad_out, lse, correction = _query_terms(
+                    Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, seq_len, n_head,
+                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
+                )  # fmt: skip
+                kept_weights, grad_scores = _weight_gradients(
+                    q, k, v, grad_out, lse, correction, rows, positions, SEED, program,
+                    SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
+                )  # fmt: skip
+                grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
+                grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
+            q, grad_out, lse, correction = _query_terms(
+                Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, seq_len, n_head,
+                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
+            )  # fmt: skip
+            for key_block in range(0, block + 1):
+                cols = key_block * BLOCK + tl.arange(0, BLOCK)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length)
+                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length)
+                _, grad_scores = _weight_gradients(
+                    q, k, v, grad_out, lse, correction, positions, cols, SEED, program,
+                    SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
+                )  # fmt: skip
+                grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
+        _store(GRAD_K, grad_k, b, h, batch_stride, head_stride, HEAD_DIM, 1, positions, dims, length, seq_len)
+        _store(GRAD_V, grad_v, b, h, batch_stride, head_stride, HEAD_DIM, 1, positions, dims, length, seq_len)
+        _store(GRAD_Q, grad_q, b, h, batch_stride, head_stride, HEAD_DIM, 1, positions, dims, length, seq_len)
 
-    def _launch_options(length: int) -> dict:
-        block = _block(length)
-        # Measured on an H200 at (128, 8, 114, 32) (benchmarks/bench_attention.py): all 128 queries in one
-        # block with 8 warps took 0.34 ms forward and backward, 64-query blocks with 4 warps 0.59 ms.
+    def _launch_options(length: int, block_size: int) -> dict:
+        row_stride = _block(length)
+        block = min(block_size, row_stride)
         return {
-            "BLOCK_T": block,
-            "BLOCK_M": block,
-            "num_warps": 8 if block >= 64 else 4,
+            "ROW_STRIDE": row_stride,
+            "BLOCK": block,
+            "num_warps": NUM_WARPS.get(block, 4),
             "INTERPRETED": _interpreted(),
         }
+
+    def _grid(batch: int, heads: int, length: int, options: dict) -> tuple[int, int]:
+        return (triton.cdiv(length, options["BLOCK"]), batch * heads)
 
     @torch.library.triton_op("knowgpt::causal_attention_forward", mutates_args=())
     def _causal_attention_forward(
@@ -206,20 +274,25 @@ if triton is not None:
         key: torch.Tensor,
         value: torch.Tensor,
         seed: torch.Tensor,
+        lengths: torch.Tensor | None,
         scale: float,
         dropout_p: float,
         splits: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        block_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, heads, length, head_dim = query.shape
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        out32 = torch.empty(query.shape, device=query.device, dtype=torch.float32)
         lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
-        torch.library.wrap_triton(_forward_kernel)[(batch * heads,)](
-            query, key, value, out, lse, seed,
+        options = _launch_options(length, block_size)
+        torch.library.wrap_triton(_forward_kernel)[_grid(batch, heads, length, options)](
+            query, key, value, out, out32, lse, seed, query if lengths is None else lengths,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
             heads, length,
-            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, **_launch_options(length),
+            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, HAS_LENGTHS=lengths is not None,
+            **options,
         )  # fmt: skip
-        return out, lse
+        return out, out32, lse
 
     @torch.library.triton_op("knowgpt::causal_attention_backward", mutates_args=())
     def _causal_attention_backward(
@@ -227,46 +300,64 @@ if triton is not None:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
+        out32: torch.Tensor,
         lse: torch.Tensor,
         seed: torch.Tensor,
+        lengths: torch.Tensor | None,
         scale: float,
         dropout_p: float,
         splits: int,
+        block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, heads, length, head_dim = query.shape
         grad_out = grad_out.to(query.dtype)
         grad_q = torch.empty(query.shape, device=query.device, dtype=query.dtype)
         grad_k = torch.empty(key.shape, device=key.device, dtype=key.dtype)
         grad_v = torch.empty(value.shape, device=value.device, dtype=value.dtype)
-        torch.library.wrap_triton(_backward_kernel)[(batch * heads,)](
-            query, key, value, grad_out, lse, seed, grad_q, grad_k, grad_v,
+        options = _launch_options(length, block_size)
+        torch.library.wrap_triton(_backward_kernel)[_grid(batch, heads, length, options)](
+            query, key, value, out32, grad_out, lse, seed, query if lengths is None else lengths,
+            grad_q, grad_k, grad_v,
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
             heads, length,
-            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, **_launch_options(length),
+            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, HAS_LENGTHS=lengths is not None,
+            **options,
         )  # fmt: skip
         return grad_q, grad_k, grad_v
 
     def _setup_context(ctx, inputs, output):
-        query, key, value, seed, scale, dropout_p, splits = inputs
-        ctx.save_for_backward(query, key, value, seed, output[1])
-        ctx.mark_non_differentiable(output[1])
-        ctx.options = (scale, dropout_p, splits)
+        query, key, value, seed, lengths, scale, dropout_p, splits, block_size = inputs
+        ctx.save_for_backward(query, key, value, output[1], output[2], seed, lengths)
+        ctx.mark_non_differentiable(output[1], output[2])
+        ctx.options = (scale, dropout_p, splits, block_size)
 
-    def _backward(ctx, grad_out, grad_lse):
-        query, key, value, seed, lse = ctx.saved_tensors
-        grads = _causal_attention_backward(grad_out, query, key, value, lse, seed, *ctx.options)
-        return (*grads, None, None, None, None)
+    def _backward(ctx, grad_out, grad_out32, grad_lse):
+        query, key, value, out32, lse, seed, lengths = ctx.saved_tensors
+        grads = _causal_attention_backward(grad_out, query, key, value, out32, lse, seed, lengths, *ctx.options)
+        return (*grads, None, None, None, None, None, None)
 
     _causal_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fused_causal_attention(
-    query, key, value, scale: float, dropout_p: float = 0.0, splits: int | None = None, seed=None
+    query,
+    key,
+    value,
+    scale: float,
+    dropout_p: float = 0.0,
+    splits: int | None = None,
+    seed=None,
+    lengths=None,
+    block_size: int | None = None,
 ):
     """Causal softmax(Q Kᵀ · scale) V with dropout on the weights, computed as in fp32; see the module docstring.
 
     `splits` (1–3, default `DEFAULT_SPLITS`): half-precision parts of the fp32 operands. `seed` (an int64
-    tensor of one element on the inputs' device) fixes the dropout mask; by default each call draws one."""
+    tensor of one element on the inputs' device) fixes the dropout mask; by default each call draws one.
+    `lengths` (B integers on the inputs' device, optional): positions from lengths[b] on are right padding:
+    their outputs come back as zeros, their output gradients are ignored, and blocks made only of them are
+    skipped (the real positions' results are those of the whole sequence, since no real query sees them).
+    `block_size` (a power of two ≥ 16, default `BLOCK_SIZE`): positions per block of queries or keys."""
     if not supports_fused_attention(query, key, value, None, True):
         raise ValueError(
             "fused_causal_attention needs Triton and bf16 CUDA tensors of one shape (B, H, T ≤ 128, D) "
@@ -275,11 +366,23 @@ def fused_causal_attention(
     splits = DEFAULT_SPLITS if splits is None else splits
     if splits not in (1, 2, 3):
         raise ValueError(f"splits must be 1, 2 or 3, got {splits!r}")
+    block_size = BLOCK_SIZE if block_size is None else block_size
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two ≥ 16, got {block_size!r}")
+    if lengths is not None and (lengths.shape != query.shape[:1] or lengths.device != query.device):
+        raise ValueError(
+            f"lengths must hold one length per sequence ({query.shape[0]}) on {query.device}, "
+            f"got shape {tuple(lengths.shape)} on {lengths.device}"
+        )
     # One seed per call, drawn from torch's CUDA generator: captured CUDA graphs and torch.compile both
     # replay it with a fresh value, and torch.manual_seed reproduces it.
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=query.device, dtype=torch.int64)
-    out, _ = _causal_attention_forward(query, key, value, seed, float(scale), float(dropout_p), int(splits))
+    if lengths is not None:
+        lengths = lengths.to(torch.int32)
+    out, _, _ = _causal_attention_forward(
+        query, key, value, seed, lengths, float(scale), float(dropout_p), int(splits), int(block_size)
+    )
     return out
 
 
@@ -287,18 +390,18 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, length: int, d
     """The (B, H, T, T) boolean mask of the weights the kernels keep for `seed`, for tests and debugging."""
     block = _block(length)
     keep = torch.empty(batch * heads, block, block, dtype=torch.int8, device=seed.device)
-    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, BLOCK_T=block)
+    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, ROW_STRIDE=block)
     return keep[:, :length, :length].bool().view(batch, heads, length, length)
 
 
 if triton is not None:
 
     @triton.jit
-    def _mask_kernel(SEED, KEEP, dropout_p, BLOCK_T: tl.constexpr):
+    def _mask_kernel(SEED, KEEP, dropout_p, ROW_STRIDE: tl.constexpr):
         program = tl.program_id(0)
-        rows = tl.arange(0, BLOCK_T)
-        keep = _dropout_keep(SEED, program, rows, rows, BLOCK_T, dropout_p)
-        offsets = program * BLOCK_T * BLOCK_T + rows[:, None] * BLOCK_T + rows[None, :]
+        rows = tl.arange(0, ROW_STRIDE)
+        keep = _dropout_keep(SEED, program, rows, rows, ROW_STRIDE, dropout_p)
+        offsets = program * ROW_STRIDE * ROW_STRIDE + rows[:, None] * ROW_STRIDE + rows[None, :]
         tl.store(KEEP + offsets, keep.to(tl.int8))
 
 

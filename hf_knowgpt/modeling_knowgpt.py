@@ -54,6 +54,8 @@ class TokenGrid:
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.token_index = token_index
+        # Computed positions per row (packed), so that attention kernels can skip the padding after them.
+        self.row_lengths = self._row_lengths()
 
     @property
     def packed(self) -> bool:
@@ -71,6 +73,13 @@ class TokenGrid:
             return states
         flat = states.reshape(self.batch_size * self.seq_len, *states.shape[2:])
         return flat.index_select(0, self.token_index)
+
+    def _row_lengths(self) -> torch.Tensor | None:
+        if not self.packed:
+            return None
+        rows = torch.div(self.token_index, self.seq_len, rounding_mode="floor")
+        counts = torch.zeros(self.batch_size, dtype=torch.int32, device=rows.device)
+        return counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
 
 
 @dataclass
@@ -109,13 +118,17 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor 
     return mask
 
 
-def sdpa_attention(query, key, value, mask, scale, dropout_p, is_causal):
+# Attention functions take (B, H, T, D) queries, keys and values. `lengths` (B,), when given, marks the
+# positions from lengths[b] on as right padding whose outputs are discarded: kernels may skip them.
+
+
+def sdpa_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None):
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )
 
 
-def eager_attention(query, key, value, mask, scale, dropout_p, is_causal):
+def eager_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None):
     """Unfused attention, as the handouts compute it; also the reference for the fused kernels."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
     if is_causal:
@@ -128,13 +141,13 @@ def eager_attention(query, key, value, mask, scale, dropout_p, is_causal):
     return torch.matmul(weights, value)
 
 
-def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, fallback=sdpa_attention):
+def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None, fallback=sdpa_attention):
     """The fused Triton kernel (`hf_knowgpt.fused_attention`: bf16 in and out, computed as in fp32) where
     it applies: causal bf16 self-attention without a padding mask over at most 128 positions on a CUDA
     device, i.e. bf16 training. `fallback` (SDPA) everywhere else: fp32, masks, the KV cache, the
     synthesizer's bias, the perceiver's cross-attention, CPU."""
     if supports_fused_attention(query, key, value, mask, is_causal):
-        return fused_causal_attention(query, key, value, scale, dropout_p)
+        return fused_causal_attention(query, key, value, scale, dropout_p, lengths=lengths)
     return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
 
 
@@ -242,6 +255,7 @@ class KnowGPTSelfAttention(nn.Module):
             scale=1.0 / math.sqrt(self.head_dim),
             dropout_p=self.config.attn_pdrop if self.training else 0.0,
             is_causal=context.causal_only,
+            lengths=grid.row_lengths,
         )
         return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended))))
 

@@ -50,11 +50,18 @@ def head_inputs(batch, heads, length, head_dim, dtype, transposed):
     return tensors
 
 
+@pytest.fixture(params=[16, 32, 128], ids=lambda size: f"block{size}")
+def block_size(request, monkeypatch):
+    """The kernels split a sequence into blocks of this many queries and keys (128: one block)."""
+    monkeypatch.setattr(fused_attention, "BLOCK_SIZE", request.param)
+    return request.param
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("length,transposed", [(37, True), (128, False)])
-def test_kernel_matches_fp64_reference_forward_and_backward(dtype, dropout_p, length, transposed):
+def test_kernel_matches_fp64_reference_forward_and_backward(dtype, dropout_p, length, transposed, block_size):
     torch.manual_seed(0)
     batch, heads, head_dim = 2, 3, 32
     query, key, value = head_inputs(batch, heads, length, head_dim, dtype, transposed)
@@ -76,6 +83,33 @@ def test_kernel_matches_fp64_reference_forward_and_backward(dtype, dropout_p, le
     for name, got, want in zip("qkv", grads, expected_grads):
         message = lambda text, name=name: f"gradient of {name}: {text}"  # noqa: E731
         torch.testing.assert_close(got, want, rtol=ulp, atol=1e-6, msg=message)
+
+
+@needs_kernel
+def test_lengths_mark_right_padding(block_size):
+    """With `lengths`, real positions get what the whole sequence gives them, padding gets zeros, and the
+    padding's output gradient is ignored; blocks of padding alone are skipped."""
+    torch.manual_seed(0)
+    batch, heads, length, head_dim, dropout_p = 4, 2, 70, 16, 0.2
+    query, key, value = head_inputs(batch, heads, length, head_dim, torch.bfloat16, True)
+    lengths = torch.tensor([70, 5, 33, 64], device=DEVICE)
+    real = (torch.arange(length, device=DEVICE) < lengths[:, None])[:, None, :, None]  # (B, 1, T, 1)
+    scale, seed = 0.25, torch.tensor([99], dtype=torch.int64, device=DEVICE)
+    out = fused_causal_attention(query, key, value, scale, dropout_p, seed=seed, lengths=lengths)
+    keep = dropout_keep_mask(seed, batch, heads, length, dropout_p)
+    expected = reference_attention(query, key, value, scale, keep, dropout_p)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, key, value), grad)
+    expected_grads = torch.autograd.grad(expected, (query, key, value), grad.double() * real)
+
+    ulp = 2**-7
+    torch.testing.assert_close(out, (expected * real).to(out.dtype), rtol=ulp, atol=1e-6)
+    for name, got, want in zip("qkv", grads, expected_grads):
+        message = lambda text, name=name: f"gradient of {name}: {text}"  # noqa: E731
+        torch.testing.assert_close(got, want, rtol=ulp, atol=1e-6, msg=message)
+        assert not got.masked_select(~real).any(), f"gradient of {name} nonzero at padding"
+    with pytest.raises(ValueError, match="one length per sequence"):
+        fused_causal_attention(query, key, value, scale, lengths=lengths[:2])
 
 
 @needs_kernel
