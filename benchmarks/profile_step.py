@@ -5,10 +5,11 @@ and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
     python benchmarks/profile_step.py --data_dir .data
 
-A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N]][:kernel=float32|float16|none]`:
+A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N]][:kernel=float32|float16|none][:separate-qkv]`:
 `eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
 `triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`) and
-blocks of N positions (default the library's), otherwise SDPA; `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
+blocks of N positions (default the library's), otherwise SDPA; `separate-qkv` runs the query, key and
+value layers as three products (as before they were fused into one); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
 default float32).
 """
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_loaders import encode_documents, read_corpus  # noqa: E402
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention  # noqa: E402
 from hf_knowgpt.fast_path import GraphedStepper  # noqa: E402
+from hf_knowgpt.modeling_knowgpt import KnowGPTSelfAttention  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
 from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator  # noqa: E402
 from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
@@ -44,10 +46,13 @@ def parse_variant(variant: str) -> dict:
             fused_attention.BLOCK_SIZE = int(blocks[-1]) if blocks else LIBRARY_BLOCK_SIZE
     kernels = [p.split("=", 1)[1] for p in parts[2:] if p.startswith("kernel=")]
     options["kernel_dtype"] = None if kernels[-1:] == ["none"] else (kernels[-1] if kernels else "float32")
+    options["separate_projections"] = "separate-qkv" in parts[2:]
     return options
 
 
-def stepper_for(corpus, attention_type, packed, compile_model, precision, attn_implementation, kernel_dtype):
+def stepper_for(
+    corpus, attention_type, packed, compile_model, precision, attn_implementation, kernel_dtype, separate_projections
+):
     AcceleratorState._reset_state(True)
     tokenizer = corpus_tokenizer(corpus)
     documents = read_corpus(corpus)
@@ -60,6 +65,10 @@ def stepper_for(corpus, attention_type, packed, compile_model, precision, attn_i
     torch.manual_seed(0)
     model = KnowGPTForCausalLM(config).cuda()
     model.set_attn_implementation(attn_implementation)
+    if separate_projections:  # a hooked layer runs as a module: three products instead of one
+        for module in model.modules():
+            if isinstance(module, KnowGPTSelfAttention):
+                module.value.register_forward_pre_hook(lambda module, inputs: None)
     data = PretrainingData(*encode_documents(tokenizer, documents, 128), 128)
     args = TrainingArguments(output_dir="/tmp/profile", max_epochs=650, training_path="graphed", packed=packed)
     trainer = KnowGPTTrainer(model, data, args, make_accelerator(args))

@@ -207,6 +207,7 @@ if triton is not None:
     def _backward_kernel(
         Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, GRAD_Q, GRAD_K, GRAD_V,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
+        sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -217,9 +218,6 @@ if triton is not None:
         b, h = program // n_head, program % n_head
         length = _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS)
         positions, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
-        # The gradients are fresh contiguous (B, H, T, D) tensors.
-        head_stride = seq_len * HEAD_DIM
-        batch_stride = n_head * head_stride
         grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
@@ -251,9 +249,9 @@ if triton is not None:
                     SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
-        _store(GRAD_K, grad_k, b, h, batch_stride, head_stride, HEAD_DIM, 1, positions, dims, length, seq_len)
-        _store(GRAD_V, grad_v, b, h, batch_stride, head_stride, HEAD_DIM, 1, positions, dims, length, seq_len)
-        _store(GRAD_Q, grad_q, b, h, batch_stride, head_stride, HEAD_DIM, 1, positions, dims, length, seq_len)
+        _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, seq_len)
+        _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, seq_len)
+        _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, seq_len)
 
     def _launch_options(length: int, block_size: int) -> dict:
         row_stride = _block(length)
@@ -281,7 +279,9 @@ if triton is not None:
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, heads, length, head_dim = query.shape
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        # Outputs and gradients in the inputs' memory order: for the model's (B, T, H·D) views that makes
+        # merging the heads a view and gathering the packed tokens a read of contiguous rows.
+        out = torch.empty_like(query)
         out32 = torch.empty(query.shape, device=query.device, dtype=torch.float32)
         lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
         options = _launch_options(length, block_size)
@@ -311,14 +311,13 @@ if triton is not None:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, heads, length, head_dim = query.shape
         grad_out = grad_out.to(query.dtype)
-        grad_q = torch.empty(query.shape, device=query.device, dtype=query.dtype)
-        grad_k = torch.empty(key.shape, device=key.device, dtype=key.dtype)
-        grad_v = torch.empty(value.shape, device=value.device, dtype=value.dtype)
+        grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         options = _launch_options(length, block_size)
         torch.library.wrap_triton(_backward_kernel)[_grid(batch, heads, length, options)](
             query, key, value, out32, grad_out, lse, seed, query if lengths is None else lengths,
             grad_q, grad_k, grad_v,
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
+            *grad_q.stride(), *grad_k.stride(), *grad_v.stride(),
             heads, length,
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, HAS_LENGTHS=lengths is not None,
             **options,

@@ -237,10 +237,27 @@ class KnowGPTSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
+    def _project(self, hidden_states, grid: TokenGrid):
+        """Queries, keys and values as (B, H, T, D). Plain Linear layers run as one product (one kernel
+        instead of three, forward and backward, and one scatter into the grid); modules that replace or
+        hook them (adapters) run as they are."""
+        layers = (self.query, self.key, self.value)
+        plain = (
+            type(layer) is nn.Linear
+            and layer.bias is not None
+            and not (layer._forward_hooks or layer._forward_pre_hooks)
+            for layer in layers
+        )
+        if all(plain):
+            weight = torch.cat([layer.weight for layer in layers])
+            bias = torch.cat([layer.bias for layer in layers])
+            projected = grid.to_grid(F.linear(hidden_states, weight, bias)).split(self.config.n_embd, dim=-1)
+        else:
+            projected = [grid.to_grid(layer(hidden_states)) for layer in layers]
+        return [split_heads(states, self.n_head) for states in projected]
+
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
-        query = split_heads(grid.to_grid(self.query(hidden_states)), self.n_head)
-        key = split_heads(grid.to_grid(self.key(hidden_states)), self.n_head)
-        value = split_heads(grid.to_grid(self.value(hidden_states)), self.n_head)
+        query, key, value = self._project(hidden_states, grid)
         if self.rotary:
             cos, sin = rotary_angles(context.query_positions, self.head_dim, self.config.rope_theta)
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)

@@ -167,6 +167,25 @@ def test_eager_and_sdpa_attention_agree(attention_type):
         model.set_attn_implementation("flash_attention_2")
 
 
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope"])
+def test_fused_projections_equal_the_three_layers_and_respect_hooks(attention_type):
+    """Self-attention runs its query, key and value layers as one product; a hooked layer (an adapter's
+    way in) is called as a module instead, with the same result."""
+    model = make_model(attention_type)
+    ids = random_ids(2, 10)
+    fused = model(ids).logits
+    calls = []
+    layer = model.transformer.blocks[0].attn.value
+    handle = layer.register_forward_hook(lambda module, inputs, output: calls.append(output.shape))
+    hooked = model(ids).logits
+    handle.remove()
+    assert calls == [(2, 10, 16)]
+    torch.testing.assert_close(fused, hooked, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        layer.weight.zero_()  # the fused product reads the layers' own parameters
+    assert not torch.allclose(model(ids).logits, fused, atol=1e-4)
+
+
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
 def test_attention_kernel_dtype_under_bf16_autocast(attention_type, monkeypatch):
     seen = []
