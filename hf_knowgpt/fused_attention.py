@@ -5,20 +5,23 @@ Why: under bf16 the handouts' recipe trains like fp32 only when the attention ke
 memory-efficient one) is tuned for long sequences: on an H200 it took 1.56 of the 3.5 ms of a
 training step at the handouts' 128 positions, four times what the bf16 flash kernel takes.
 
-How: one program per (batch, head) pair holds all its keys and values (at most 128 positions), so the
-softmax of a block of queries needs no online rescaling, and the backward pass accumulates the key
-and value gradients without atomics. The two products of bf16 operands (Q Kᵀ and dO Vᵀ) run on
-tensor cores exactly (products of bf16 numbers are exact in fp32, and accumulate in fp32). The
-products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q — split
-that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of
-what is left), so three parts give fp32's 24 bits, two about 16, one what the flash kernel keeps. The
-dropout mask is regenerated from the call's seed in the backward pass instead of being stored, and
-the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ comes from fp32 registers rather than from the rounded output.
+How: as FlashAttention-2, in blocks of `BLOCK_SIZE` positions. The forward pass gives each block of
+queries of each (batch, head) a program that runs an online softmax over the key blocks it sees; the
+backward pass gives each block index a program that computes the gradients of that block's keys and
+values (over the query blocks that see them) and then of that block's queries (over the key blocks they
+see), so no two programs write one gradient and no atomics are needed. Told each sequence's length
+(packed training), both skip the blocks that hold only padding. The two products of bf16 operands (Q Kᵀ
+and dO Vᵀ) run on tensor cores exactly (products of bf16 numbers are exact in fp32, and accumulate in
+fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q —
+split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
+three parts give fp32's 24 bits, two about 16, one what the flash kernel keeps. The dropout mask is
+regenerated from the call's seed in the backward pass instead of being stored, and the softmax
+correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an fp32 copy of the output rather than from the rounded one.
 
-`fused_causal_attention(query, key, value, scale, dropout_p)` takes (B, H, T, D) bf16 tensors (any
-strides) and returns the attended values in bf16. It applies to causal self-attention
-without a padding mask (training) with T ≤ 128 and D a power of two ≥ 16; `supports_fused_attention`
-says whether a call qualifies. It needs Triton and a CUDA device (or Triton's interpreter).
+`fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
+tensors (any strides) and returns the attended values in bf16, in the memory order of `query`. It
+applies to causal self-attention without a padding mask (training) with T ≤ 128 and D a power of two
+≥ 16; `supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA device (or Triton's interpreter).
 """
 
 import os
