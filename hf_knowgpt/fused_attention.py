@@ -256,18 +256,18 @@ if triton is not None:
         _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, seq_len)
         _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, seq_len)
 
-    def _launch_options(length: int, block_size: int) -> dict:
+    def _launch(kernel, query, lengths, scale, dropout_p, splits, block_size):
+        """The kernel over a grid of (block, batch·head) programs, with the options both kernels share."""
+        batch, heads, length, head_dim = query.shape
         row_stride = _block(length)
         block = min(block_size, row_stride)
-        return {
-            "ROW_STRIDE": row_stride,
-            "BLOCK": block,
-            "num_warps": NUM_WARPS.get(block, 4),
-            "INTERPRETED": _interpreted(),
-        }
-
-    def _grid(batch: int, heads: int, length: int, options: dict) -> tuple[int, int]:
-        return (triton.cdiv(length, options["BLOCK"]), batch * heads)
+        options = dict(
+            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
+            SPLITS=splits, HAS_LENGTHS=lengths is not None, INTERPRETED=_interpreted(),
+            num_warps=NUM_WARPS.get(block, 4),
+        )  # fmt: skip
+        launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
+        return lambda *arguments: launcher(*arguments, heads, length, **options)
 
     @torch.library.triton_op("knowgpt::causal_attention_forward", mutates_args=())
     def _causal_attention_forward(
@@ -281,19 +281,15 @@ if triton is not None:
         splits: int,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, heads, length, head_dim = query.shape
+        batch, heads, length, _ = query.shape
         # Outputs and gradients in the inputs' memory order: for the model's (B, T, H·D) views that makes
         # merging the heads a view and gathering the packed tokens a read of contiguous rows.
         out = torch.empty_like(query)
         out32 = torch.empty(query.shape, device=query.device, dtype=torch.float32)
         lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
-        options = _launch_options(length, block_size)
-        torch.library.wrap_triton(_forward_kernel)[_grid(batch, heads, length, options)](
+        _launch(_forward_kernel, query, lengths, scale, dropout_p, splits, block_size)(
             query, key, value, out, out32, lse, seed, query if lengths is None else lengths,
             *query.stride(), *key.stride(), *value.stride(), *out.stride(),
-            heads, length,
-            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, HAS_LENGTHS=lengths is not None,
-            **options,
         )  # fmt: skip
         return out, out32, lse
 
@@ -312,18 +308,13 @@ if triton is not None:
         splits: int,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, heads, length, head_dim = query.shape
         grad_out = grad_out.to(query.dtype)
         grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        options = _launch_options(length, block_size)
-        torch.library.wrap_triton(_backward_kernel)[_grid(batch, heads, length, options)](
+        _launch(_backward_kernel, query, lengths, scale, dropout_p, splits, block_size)(
             query, key, value, out32, grad_out, lse, seed, query if lengths is None else lengths,
             grad_q, grad_k, grad_v,
             *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
             *grad_q.stride(), *grad_k.stride(), *grad_v.stride(),
-            heads, length,
-            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, SPLITS=splits, HAS_LENGTHS=lengths is not None,
-            **options,
         )  # fmt: skip
         return grad_q, grad_k, grad_v
 
