@@ -5,11 +5,14 @@ and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
     python benchmarks/profile_step.py --data_dir .data
 
-A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N]][:kernel=float32|float16|none][:separate-qkv]`:
+A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N][:grid-attn]][:kernel=float32|float16|none][:separate-qkv][:combo][:autotune]`:
 `eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
 `triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`) and
 blocks of N positions (default the library's), otherwise SDPA; `separate-qkv` runs the query, key and
-value layers as three products (as before they were fused into one); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
+value layers as three products (as before they were fused into one); `grid-attn` moves packed tokens into
+the (B, T) grid and back around the Triton kernel (as before it read them packed); `combo` and `autotune`
+compile with inductor's `combo_kernels` (independent small kernels launched as one) and `max_autotune`
+(matrix-product templates with fused epilogues); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
 default float32).
 """
 
@@ -19,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo.config
+import torch._inductor.config
 from accelerate.state import AcceleratorState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,13 +52,28 @@ def parse_variant(variant: str) -> dict:
     kernels = [p.split("=", 1)[1] for p in parts[2:] if p.startswith("kernel=")]
     options["kernel_dtype"] = None if kernels[-1:] == ["none"] else (kernels[-1] if kernels else "float32")
     options["separate_projections"] = "separate-qkv" in parts[2:]
+    options["grid_attention"] = "grid-attn" in parts[2:]
     return options
 
 
+def inductor_options(variant: str) -> dict:
+    parts = variant.split(":")[2:]
+    return {"combo_kernels": "combo" in parts, "max_autotune": "autotune" in parts}
+
+
 def stepper_for(
-    corpus, attention_type, packed, compile_model, precision, attn_implementation, kernel_dtype, separate_projections
+    corpus,
+    attention_type,
+    packed,
+    compile_model,
+    precision,
+    attn_implementation,
+    kernel_dtype,
+    separate_projections,
+    grid_attention,
 ):
     AcceleratorState._reset_state(True)
+    torch._dynamo.reset()  # compiled code is reused across models otherwise, whatever the inductor options
     tokenizer = corpus_tokenizer(corpus)
     documents = read_corpus(corpus)
     config = KnowGPTConfig(
@@ -69,6 +89,10 @@ def stepper_for(
         for module in model.modules():
             if isinstance(module, KnowGPTSelfAttention):
                 module.value.register_forward_pre_hook(lambda module, inputs: None)
+    if grid_attention:  # the Triton kernel over the (B, T) grid, packed tokens scattered in and gathered out
+        for module in model.modules():
+            if isinstance(module, KnowGPTSelfAttention):
+                module._packed_kernel_applies = lambda *arguments: False
     data = PretrainingData(*encode_documents(tokenizer, documents, 128), 128)
     args = TrainingArguments(output_dir="/tmp/profile", max_epochs=650, training_path="graphed", packed=packed)
     trainer = KnowGPTTrainer(model, data, args, make_accelerator(args))
@@ -90,14 +114,16 @@ def main():
     parser.add_argument("--profile_rows", type=int, default=25)
     args = parser.parse_args()
     corpus = Path(args.data_dir) / "wiki.txt"
+    torch._dynamo.config.recompile_limit = 64  # each variant's new model recompiles the same forward code
 
     for variant in filter(None, args.profile.split(",")):
-        stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
-        stepper.run(0, 30, lambda: False)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-            stepper.run(30, 10, lambda: False)
+        with torch._inductor.config.patch(inductor_options(variant)):
+            stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
+            stepper.run(0, 30, lambda: False)
             torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+                stepper.run(30, 10, lambda: False)
+                torch.cuda.synchronize()
         kernels = profiler.key_averages()
         launches = sum(event.count for event in kernels if event.device_type == torch.autograd.DeviceType.CUDA)
         print(f"\n{variant}: {launches / 10:.0f} kernels per step")
@@ -105,16 +131,17 @@ def main():
 
     rows = []
     for variant in args.variants.split(","):
-        stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
-        start = time.perf_counter()
-        stepper.run(0, 230, lambda: False)  # ten epochs: captures, compilation, warm-up
-        torch.cuda.synchronize()
-        warmup = time.perf_counter() - start
-        capture = stepper.capture_seconds
-        start = time.perf_counter()
-        stepper.run(230, 460, lambda: False)
-        torch.cuda.synchronize()
-        per_step = (time.perf_counter() - start) / 460
+        with torch._inductor.config.patch(inductor_options(variant)):
+            stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
+            start = time.perf_counter()
+            stepper.run(0, 230, lambda: False)  # ten epochs: captures, compilation, warm-up
+            torch.cuda.synchronize()
+            warmup = time.perf_counter() - start
+            capture = stepper.capture_seconds
+            start = time.perf_counter()
+            stepper.run(230, 460, lambda: False)
+            torch.cuda.synchronize()
+            per_step = (time.perf_counter() - start) / 460
         loss = stepper.take_loss().item()
         rows.append((variant, warmup, capture, stepper.capture_seconds - capture, len(stepper.graphs), per_step, loss))
         print(rows[-1], flush=True)

@@ -19,9 +19,12 @@ regenerated from the call's seed in the backward pass instead of being stored, a
 correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an fp32 copy of the output rather than from the rounded one.
 
 `fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
-tensors (any strides) and returns the attended values in bf16, in the memory order of `query`. It
-applies to causal self-attention without a padding mask (training) with T ≤ 128 and D a power of two
-≥ 16; `supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA device (or Triton's interpreter).
+tensors (any strides) and returns the attended values in bf16, in the memory order of `query`; with
+`starts=` and `seq_len=` it reads and writes packed tokens (tokens, H, D) directly, the sequences lying
+back to back (packed training: no scatter into a padded grid and gather back). It applies to causal
+self-attention without a padding mask (training) with T ≤ 128 and D a power of two ≥ 16;
+`supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA device (or
+Triton's interpreter).
 """
 
 import os
@@ -47,13 +50,21 @@ def fused_attention_available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def supports_fused_attention(query, key, value, mask, is_causal) -> bool:
+def supports_fused_attention(query, key, value, mask, is_causal, seq_len: int | None = None) -> bool:
     """Whether `fused_causal_attention` computes this call: causal bf16 self-attention over at most 128
-    positions, without a padding mask. (fp16 is not offered: on the GPU its value gradients came out NaN
-    in a test, a fault not found yet.)"""
+    positions, without a padding mask; (B, H, T, D) tensors, or packed (tokens, H, D) ones whose
+    sequences are at most `seq_len` long. (fp16 is not offered: on the GPU its value gradients came
+    out NaN in a test, a fault not found yet.)"""
     if triton is None or mask is not None or not is_causal or not (query.is_cuda or _interpreted()):
         return False
-    batch, heads, length, head_dim = query.shape
+    if query.dim() == 3 and seq_len is not None:
+        length, head_dim = seq_len, query.shape[-1]
+    elif query.dim() == 4 and seq_len is None:
+        batch, heads, length, head_dim = query.shape
+        if batch * heads * _block(length) ** 2 >= 2**31:  # dropout offsets are int32
+            return False
+    else:
+        return False
     return (
         key.shape == query.shape
         and value.shape == query.shape
@@ -63,7 +74,6 @@ def supports_fused_attention(query, key, value, mask, is_causal) -> bool:
         and length <= MAX_SEQ_LEN
         and head_dim >= 16
         and head_dim & (head_dim - 1) == 0
-        and batch * heads * _block(length) ** 2 < 2**31  # dropout offsets are int32
     )
 
 
@@ -71,6 +81,10 @@ def _interpreted() -> bool:
     """Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors: how the tests check them
     without a GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _capturing(tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _block(length: int) -> int:
@@ -84,17 +98,18 @@ if triton is not None:
         return b * stride_b + h * stride_h + rows[:, None] * stride_t + dims[None, :] * stride_d
 
     @triton.jit
-    def _load(pointer, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, length):
-        """Rows at or beyond `length` (padding) read as zeros."""
-        offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims)
+    def _load(pointer, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, length, start):
+        """Positions `rows` of the sequence that begins at token `start`; rows at or beyond `length`
+        (padding) read as zeros."""
+        offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, start + rows, dims)
         return tl.load(pointer + offsets, mask=(rows < length)[:, None], other=0.0)
 
     @triton.jit
-    def _store(pointer, values, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, length, seq_len):
-        """Every row before `seq_len`, zeros from `length` on."""
-        offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, rows, dims)
+    def _store(pointer, values, b, h, stride_b, stride_h, stride_t, stride_d, rows, dims, length, start, limit):
+        """Every row before `limit`, zeros from `length` on."""
+        offsets = _offsets(b, h, stride_b, stride_h, stride_t, stride_d, start + rows, dims)
         values = tl.where((rows < length)[:, None], values, 0.0)
-        tl.store(pointer + offsets, values.to(pointer.dtype.element_ty), mask=(rows < seq_len)[:, None])
+        tl.store(pointer + offsets, values.to(pointer.dtype.element_ty), mask=(rows < limit)[:, None])
 
     @triton.jit
     def _dropout_keep(seed_pointer, program, rows, cols, ROW_STRIDE: tl.constexpr, dropout_p):
@@ -131,33 +146,39 @@ if triton is not None:
         return tl.where(cols[None, :] <= rows[:, None], scores, float("-inf"))
 
     @triton.jit
-    def _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS: tl.constexpr):
+    def _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr):
+        """Sequence b's length, its first token (packed rows lie back to back; otherwise 0), and the rows
+        its outputs cover: up to `seq_len` in the (B, H, T, D) layout, only its own rows when packed."""
+        length = seq_len
         if HAS_LENGTHS:
-            return tl.minimum(tl.load(LENGTHS + b), seq_len)
-        return seq_len
+            length = tl.minimum(tl.load(LENGTHS + b), seq_len)
+        if PACKED:
+            return length, tl.load(STARTS + b), length
+        return length, 0, seq_len
 
     @triton.jit
     def _forward_kernel(
-        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS,
+        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
-        BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, INTERPRETED: tl.constexpr,
+        BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """One block of queries of one (batch, head): online softmax over the key blocks it sees."""
         query_block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
-        length = _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS)
+        length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
         rows, dims = query_block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
         row_max = tl.full((BLOCK,), float("-inf"), tl.float32)
         row_sum = tl.zeros((BLOCK,), tl.float32)
         out = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         if query_block * BLOCK < length:  # blocks of padding only are skipped (and written as zeros)
-            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length)
+            q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
             for key_block in range(0, query_block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
-                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length)
-                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
+                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
                 new_max = tl.maximum(row_max, tl.max(scores, 1))
                 rescale = tl.exp(row_max - new_max)
@@ -169,23 +190,23 @@ if triton is not None:
                 row_max = new_max
         real = rows < length
         out = out / (tl.where(real, row_sum, 1.0) * (1.0 - DROPOUT_P))[:, None]
-        _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, length, seq_len)
+        _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, length, start, limit)
         # The fp32 output gives the backward pass its softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ unrounded.
         head_stride = seq_len * HEAD_DIM
-        _store(OUT32, out, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, seq_len)
+        _store(OUT32, out, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, 0, seq_len)
         lse = tl.where(real, row_max + tl.log(tl.where(real, row_sum, 1.0)), 0.0)
         tl.store(LSE + program * seq_len + rows, lse, mask=rows < seq_len)
 
     @triton.jit
     def _query_terms(
-        Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, seq_len, n_head,
+        Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
         sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr,
     ):  # fmt: skip
         """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and dOᵢ·Oᵢ."""
-        q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length)
-        grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length)
+        q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
+        grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
         head_stride = seq_len * HEAD_DIM
-        out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length)
+        out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, 0)
         lse = tl.load(LSE + program * seq_len + rows, mask=rows < length, other=0.0)
         return q, grad_out, lse, tl.sum(grad_out.to(tl.float32) * out, 1)
 
@@ -208,29 +229,30 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, GRAD_Q, GRAD_K, GRAD_V,
+        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, GRAD_Q, GRAD_K, GRAD_V,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
-        BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, INTERPRETED: tl.constexpr,
+        BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
         them), then of queries i (over the key blocks they see), so no two programs write one gradient."""
         block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
-        length = _sequence_length(LENGTHS, b, seq_len, HAS_LENGTHS)
+        length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
         positions, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
         grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         if block * BLOCK < length:
-            k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length)
-            v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length)
+            k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, start)
+            v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
             for query_block in range(block, tl.cdiv(length, BLOCK)):
                 rows = query_block * BLOCK + tl.arange(0, BLOCK)
                 q, grad_out, lse, correction = _query_terms(
-                    Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, seq_len, n_head,
+                    Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
                     sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
                 )  # fmt: skip
                 kept_weights, grad_scores = _weight_gradients(
@@ -240,30 +262,38 @@ if triton is not None:
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
             q, grad_out, lse, correction = _query_terms(
-                Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, seq_len, n_head,
+                Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
                 sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
             )  # fmt: skip
             for key_block in range(0, block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
-                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length)
-                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
+                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
                     q, k, v, grad_out, lse, correction, positions, cols, SEED, program,
                     SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
-        _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, seq_len)
-        _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, seq_len)
-        _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, seq_len)
+        _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
+        _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
+        _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
 
-    def _launch(kernel, query, lengths, scale, dropout_p, splits, block_size):
+    def _layout(query, starts, seq_len):
+        """(batch, heads, length, head_dim) of a call, and how to read a tensor's (b, h, t, d) strides:
+        packed tensors are (tokens, H, D) whose sequence b starts at token starts[b]."""
+        if starts is None:
+            return query.shape, lambda tensor: tensor.stride()
+        shape = (starts.shape[0], query.shape[1], seq_len, query.shape[2])
+        return shape, lambda tensor: (0, tensor.stride(1), tensor.stride(0), tensor.stride(2))
+
+    def _launch(kernel, shape, lengths, starts, scale, dropout_p, splits, block_size):
         """The kernel over a grid of (block, batch·head) programs, with the options both kernels share."""
-        batch, heads, length, head_dim = query.shape
+        batch, heads, length, head_dim = shape
         row_stride = _block(length)
         block = min(block_size, row_stride)
         options = dict(
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
-            SPLITS=splits, HAS_LENGTHS=lengths is not None, INTERPRETED=_interpreted(),
+            SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, INTERPRETED=_interpreted(),
             num_warps=NUM_WARPS.get(block, 4),
         )  # fmt: skip
         launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
@@ -276,20 +306,24 @@ if triton is not None:
         value: torch.Tensor,
         seed: torch.Tensor,
         lengths: torch.Tensor | None,
+        starts: torch.Tensor | None,
+        seq_len: int,
         scale: float,
         dropout_p: float,
         splits: int,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        batch, heads, length, _ = query.shape
+        shape, strides = _layout(query, starts, seq_len)
+        batch, heads, length, head_dim = shape
         # Outputs and gradients in the inputs' memory order: for the model's (B, T, H·D) views that makes
         # merging the heads a view and gathering the packed tokens a read of contiguous rows.
         out = torch.empty_like(query)
-        out32 = torch.empty(query.shape, device=query.device, dtype=torch.float32)
+        out32 = torch.empty(shape, device=query.device, dtype=torch.float32)
         lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
-        _launch(_forward_kernel, query, lengths, scale, dropout_p, splits, block_size)(
-            query, key, value, out, out32, lse, seed, query if lengths is None else lengths,
-            *query.stride(), *key.stride(), *value.stride(), *out.stride(),
+        _launch(_forward_kernel, shape, lengths, starts, scale, dropout_p, splits, block_size)(
+            query, key, value, out, out32, lse, seed,
+            query if lengths is None else lengths, query if starts is None else starts,
+            *strides(query), *strides(key), *strides(value), *strides(out),
         )  # fmt: skip
         return out, out32, lse
 
@@ -303,31 +337,37 @@ if triton is not None:
         lse: torch.Tensor,
         seed: torch.Tensor,
         lengths: torch.Tensor | None,
+        starts: torch.Tensor | None,
+        seq_len: int,
         scale: float,
         dropout_p: float,
         splits: int,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        shape, strides = _layout(query, starts, seq_len)
         grad_out = grad_out.to(query.dtype)
         grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        _launch(_backward_kernel, query, lengths, scale, dropout_p, splits, block_size)(
-            query, key, value, out32, grad_out, lse, seed, query if lengths is None else lengths,
+        _launch(_backward_kernel, shape, lengths, starts, scale, dropout_p, splits, block_size)(
+            query, key, value, out32, grad_out, lse, seed,
+            query if lengths is None else lengths, query if starts is None else starts,
             grad_q, grad_k, grad_v,
-            *query.stride(), *key.stride(), *value.stride(), *grad_out.stride(),
-            *grad_q.stride(), *grad_k.stride(), *grad_v.stride(),
+            *strides(query), *strides(key), *strides(value), *strides(grad_out),
+            *strides(grad_q), *strides(grad_k), *strides(grad_v),
         )  # fmt: skip
         return grad_q, grad_k, grad_v
 
     def _setup_context(ctx, inputs, output):
-        query, key, value, seed, lengths, scale, dropout_p, splits, block_size = inputs
-        ctx.save_for_backward(query, key, value, output[1], output[2], seed, lengths)
+        query, key, value, seed, lengths, starts, *options = inputs
+        ctx.save_for_backward(query, key, value, output[1], output[2], seed, lengths, starts)
         ctx.mark_non_differentiable(output[1], output[2])
-        ctx.options = (scale, dropout_p, splits, block_size)
+        ctx.options = options
 
     def _backward(ctx, grad_out, grad_out32, grad_lse):
-        query, key, value, out32, lse, seed, lengths = ctx.saved_tensors
-        grads = _causal_attention_backward(grad_out, query, key, value, out32, lse, seed, lengths, *ctx.options)
-        return (*grads, None, None, None, None, None, None)
+        query, key, value, out32, lse, seed, lengths, starts = ctx.saved_tensors
+        grads = _causal_attention_backward(
+            grad_out, query, key, value, out32, lse, seed, lengths, starts, *ctx.options
+        )
+        return (*grads, *[None] * 8)
 
     _causal_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
@@ -342,6 +382,8 @@ def fused_causal_attention(
     seed=None,
     lengths=None,
     block_size: int | None = None,
+    starts=None,
+    seq_len: int | None = None,
 ):
     """Causal softmax(Q Kᵀ · scale) V with dropout on the weights, computed as in fp32; see the module docstring.
 
@@ -350,10 +392,20 @@ def fused_causal_attention(
     `lengths` (B integers on the inputs' device, optional): positions from lengths[b] on are right padding:
     their outputs come back as zeros, their output gradients are ignored, and blocks made only of them are
     skipped (the real positions' results are those of the whole sequence, since no real query sees them).
-    `block_size` (a power of two ≥ 16, default `BLOCK_SIZE`): positions per block of queries or keys."""
-    if not supports_fused_attention(query, key, value, None, True):
+    `block_size` (a power of two ≥ 16, default `BLOCK_SIZE`): positions per block of queries or keys.
+
+    Packed sequences (`starts` and `seq_len` given, with `lengths`): query, key and value are (tokens, H, D)
+    and hold B sequences back to back, sequence b being tokens starts[b] … starts[b] + lengths[b] − 1,
+    each at most `seq_len` long; every token must belong to one sequence. The result is (tokens, H, D),
+    the same numbers (same dropout mask for the same seed) as the (B, H, seq_len, D) call with `lengths`
+    gives for the real positions, without moving the tokens into that grid and back."""
+    packed = starts is not None or seq_len is not None
+    if packed and (starts is None or seq_len is None or lengths is None):
+        raise ValueError("packed sequences need all of lengths, starts and seq_len")
+    if not supports_fused_attention(query, key, value, None, True, seq_len=seq_len if packed else None):
+        layout = "(tokens, H, D) with seq_len ≤ 128" if packed else "(B, H, T ≤ 128, D)"
         raise ValueError(
-            "fused_causal_attention needs Triton and bf16 CUDA tensors of one shape (B, H, T ≤ 128, D) "
+            f"fused_causal_attention needs Triton and bf16 CUDA tensors of one shape {layout} "
             f"with D a power of two ≥ 16; got {tuple(query.shape)} {query.dtype} on {query.device}"
         )
     splits = DEFAULT_SPLITS if splits is None else splits
@@ -362,19 +414,30 @@ def fused_causal_attention(
     block_size = BLOCK_SIZE if block_size is None else block_size
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two ≥ 16, got {block_size!r}")
-    if lengths is not None and (lengths.shape != query.shape[:1] or lengths.device != query.device):
-        raise ValueError(
-            f"lengths must hold one length per sequence ({query.shape[0]}) on {query.device}, "
-            f"got shape {tuple(lengths.shape)} on {lengths.device}"
-        )
+    batch = lengths.shape[0] if packed else query.shape[0]
+    for name, tensor in (("lengths", lengths), ("starts", starts)):
+        if tensor is not None and (tensor.shape != (batch,) or tensor.device != query.device):
+            raise ValueError(
+                f"{name} must hold one integer per sequence ({batch}) on {query.device}, "
+                f"got shape {tuple(tensor.shape)} on {tensor.device}"
+            )
+    if packed and batch * query.shape[1] * _block(seq_len) ** 2 >= 2**31:
+        raise ValueError("too many sequences for the kernel's int32 dropout offsets")
+    if packed and not (torch.compiler.is_compiling() or _capturing(query)):  # compiled and graphed code trusts it
+        covered = int(lengths.sum())
+        if covered != query.shape[0]:
+            raise ValueError(
+                f"packed sequences must cover every token: lengths sum to {covered}, not {query.shape[0]}"
+            )
     # One seed per call, drawn from torch's CUDA generator: captured CUDA graphs and torch.compile both
     # replay it with a fresh value, and torch.manual_seed reproduces it.
     if seed is None:
         seed = torch.randint(0, 2**31 - 1, (1,), device=query.device, dtype=torch.int64)
-    if lengths is not None:
-        lengths = lengths.to(torch.int32)
+    lengths = lengths.to(torch.int32) if lengths is not None else None
+    starts = starts.to(torch.int32) if starts is not None else None
+    seq_len = seq_len if packed else query.shape[2]
     out, _, _ = _causal_attention_forward(
-        query, key, value, seed, lengths, float(scale), float(dropout_p), int(splits), int(block_size)
+        query, key, value, seed, lengths, starts, seq_len, float(scale), float(dropout_p), int(splits), int(block_size)
     )
     return out
 

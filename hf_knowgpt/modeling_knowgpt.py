@@ -54,8 +54,10 @@ class TokenGrid:
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.token_index = token_index
-        # Computed positions per row (packed), so that attention kernels can skip the padding after them.
+        # Computed positions per row (packed), so that attention kernels can skip the padding after them,
+        # and where each row's tokens start in the packed states (rows lie back to back, in order).
         self.row_lengths = self._row_lengths()
+        self.row_starts = None if self.row_lengths is None else self.row_lengths.cumsum(0) - self.row_lengths
 
     @property
     def packed(self) -> bool:
@@ -185,10 +187,10 @@ def _in_precision(function, kernel_dtype: torch.dtype):
 
 
 def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of t·θ_i, θ_i = theta^(-2(i-1)/head_dim), i = 1..head_dim/2; shaped (B, 1, T, head_dim/2)."""
+    """cos and sin of t·θ_i, θ_i = theta^(-2(i-1)/head_dim), i = 1..head_dim/2; shaped (*positions.shape, head_dim/2)."""
     exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inverse_frequencies = theta ** (-exponents)
-    angles = positions[:, None, :, None].float() * inverse_frequencies
+    angles = positions[..., None].float() * inverse_frequencies
     return angles.cos(), angles.sin()
 
 
@@ -237,10 +239,11 @@ class KnowGPTSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
-    def _project(self, hidden_states, grid: TokenGrid):
-        """Queries, keys and values as (B, H, T, D). Plain Linear layers run as one product (one kernel
-        instead of three, forward and backward, and one scatter into the grid); modules that replace or
-        hook them (adapters) run as they are."""
+    def _project(self, hidden_states, grid: TokenGrid, in_grid: bool):
+        """Queries, keys and values per token and head: (…, H, D), in the (B, T) grid when `in_grid`,
+        else as `hidden_states` come (packed tokens stay packed). Plain Linear layers run as one product
+        (one kernel instead of three, forward and backward, and one scatter into the grid); modules that
+        replace or hook them (adapters) run as they are."""
         layers = (self.query, self.key, self.value)
         plain = (
             type(layer) is nn.Linear
@@ -248,19 +251,41 @@ class KnowGPTSelfAttention(nn.Module):
             and not (layer._forward_hooks or layer._forward_pre_hooks)
             for layer in layers
         )
+        place = grid.to_grid if in_grid else (lambda states: states)
         if all(plain):
             weight = torch.cat([layer.weight for layer in layers])
             bias = torch.cat([layer.bias for layer in layers])
-            projected = grid.to_grid(F.linear(hidden_states, weight, bias)).split(self.config.n_embd, dim=-1)
+            projected = place(F.linear(hidden_states, weight, bias)).split(self.config.n_embd, dim=-1)
         else:
-            projected = [grid.to_grid(layer(hidden_states)) for layer in layers]
-        return [split_heads(states, self.n_head) for states in projected]
+            projected = [place(layer(hidden_states)) for layer in layers]
+        return [states.unflatten(-1, (self.n_head, self.head_dim)) for states in projected]
+
+    def _packed_kernel_applies(self, grid: TokenGrid, context: AttentionContext, cache) -> bool:
+        """Packed training with the fused kernel: it reads the packed tokens as they are. (Where the kernel
+        then turns out not to take the tensors, fp32 say, they go through the grid after all.)"""
+        return grid.packed and cache is None and context.causal_only and self.config._attn_implementation == "triton"
 
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
-        query, key, value = self._project(hidden_states, grid)
+        packed_kernel = self._packed_kernel_applies(grid, context, cache)
+        query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
         if self.rotary:
-            cos, sin = rotary_angles(context.query_positions, self.head_dim, self.config.rope_theta)
+            positions = context.query_positions  # (B or 1, T); packed: each token's, (N,)
+            if packed_kernel:
+                positions = grid.from_grid(positions.expand(grid.batch_size, -1))
+            cos, sin = rotary_angles(positions, self.head_dim, self.config.rope_theta)
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the heads axis
             query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        dropout_p = self.config.attn_pdrop if self.training else 0.0
+        if packed_kernel and supports_fused_attention(query, key, value, None, True, seq_len=grid.seq_len):
+            attended = fused_causal_attention(
+                query, key, value, scale, dropout_p,
+                lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len,
+            )  # fmt: skip
+            return self.resid_dropout(self.proj(attended.flatten(-2)))
+        if packed_kernel:  # the kernel does not take these tensors: through the grid as usual
+            query, key, value = (grid.to_grid(states) for states in (query, key, value))
+        query, key, value = (states.transpose(1, 2) for states in (query, key, value))  # (B, H, T, D)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         mask = None if context.causal_only else additive_mask(context.visibility(), query.dtype)
@@ -269,8 +294,8 @@ class KnowGPTSelfAttention(nn.Module):
             key,
             value,
             mask,
-            scale=1.0 / math.sqrt(self.head_dim),
-            dropout_p=self.config.attn_pdrop if self.training else 0.0,
+            scale=scale,
+            dropout_p=dropout_p,
             is_causal=context.causal_only,
             lengths=grid.row_lengths,
         )

@@ -108,8 +108,48 @@ def test_lengths_mark_right_padding(block_size):
         message = lambda text, name=name: f"gradient of {name}: {text}"  # noqa: E731
         torch.testing.assert_close(got, want, rtol=ulp, atol=1e-6, msg=message)
         assert not got.masked_select(~real).any(), f"gradient of {name} nonzero at padding"
-    with pytest.raises(ValueError, match="one length per sequence"):
+    with pytest.raises(ValueError, match="lengths must hold one integer per sequence"):
         fused_causal_attention(query, key, value, scale, lengths=lengths[:2])
+
+
+@needs_kernel
+def test_packed_sequences_match_the_grid(block_size):
+    """Packed tokens (sequences back to back, as views of one (tokens, 3·H·D) projection, as the model
+    hands them over) give bit for bit what the (B, H, T, D) call with `lengths` gives at the real
+    positions, forward and backward, with the same dropout mask."""
+    torch.manual_seed(0)
+    batch, heads, length, head_dim, dropout_p = 4, 2, 70, 16, 0.2
+    lengths = torch.tensor([70, 5, 33, 64], device=DEVICE)
+    starts = lengths.cumsum(0) - lengths
+    tokens = int(lengths.sum())
+    projected = torch.randn(tokens, 3 * heads * head_dim, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    packed = projected.view(tokens, 3, heads, head_dim).unbind(1)
+    real = torch.arange(length, device=DEVICE) < lengths[:, None]  # (B, T)
+    grid = [torch.zeros(batch, length, heads, head_dim, device=DEVICE, dtype=torch.bfloat16) for _ in range(3)]
+    for states, tokens_of_head in zip(grid, packed):
+        states[real] = tokens_of_head.detach()
+    grid = [states.transpose(1, 2).requires_grad_() for states in grid]  # (B, H, T, D) views
+    scale, seed = 0.25, torch.tensor([99], dtype=torch.int64, device=DEVICE)
+
+    out = fused_causal_attention(*packed, scale, dropout_p, seed=seed, lengths=lengths, starts=starts, seq_len=length)
+    expected = fused_causal_attention(*grid, scale, dropout_p, seed=seed, lengths=lengths)
+    assert out.shape == (tokens, heads, head_dim)
+    assert torch.equal(out, expected.transpose(1, 2)[real])
+    grad = torch.randn_like(out)
+    (projected_grad,) = torch.autograd.grad(out, projected, grad)
+    grid_grad = torch.zeros_like(expected.transpose(1, 2))
+    grid_grad[real] = grad
+    expected_grads = torch.autograd.grad(expected, grid, grid_grad.transpose(1, 2))
+    for name, got, want in zip("qkv", projected_grad.view(tokens, 3, heads, head_dim).unbind(1), expected_grads):
+        assert torch.equal(got, want.transpose(1, 2)[real]), f"gradient of {name}"
+
+    with pytest.raises(ValueError, match="need all of lengths, starts and seq_len"):
+        fused_causal_attention(*packed, scale, lengths=lengths, starts=starts)
+    with pytest.raises(ValueError, match="cover every token: lengths sum to 171, not 172"):
+        fused_causal_attention(*packed, scale, lengths=lengths - torch.tensor([1, 0, 0, 0], device=DEVICE),
+                               starts=starts, seq_len=length)  # fmt: skip
+    with pytest.raises(ValueError, match="seq_len ≤ 128"):
+        fused_causal_attention(*packed, scale, lengths=lengths, starts=starts, seq_len=129)
 
 
 @needs_kernel
