@@ -5,14 +5,14 @@ and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
     python benchmarks/profile_step.py --data_dir .data
 
-A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N][:grid-attn]][:kernel=float32|float16|none][:separate-qkv][:combo][:autotune]`:
+A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N][:grid-attn]][:kernel=float32|float16|none][:separate-qkv][:no-combo][:autotune]`:
 `eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
 `triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`) and
 blocks of N positions (default the library's), otherwise SDPA; `separate-qkv` runs the query, key and
 value layers as three products (as before they were fused into one); `grid-attn` moves packed tokens into
-the (B, T) grid and back around the Triton kernel (as before it read them packed); `combo` and `autotune`
-compile with inductor's `combo_kernels` (independent small kernels launched as one) and `max_autotune`
-(matrix-product templates with fused epilogues); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
+the (B, T) grid and back around the Triton kernel (as before it read them packed); `no-combo` compiles
+without inductor's `combo_kernels` (independent small kernels launched as one; the library's default) and
+`autotune` with `max_autotune` (matrix-product templates with fused epilogues); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
 default float32).
 """
 
@@ -20,10 +20,10 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 import torch._dynamo.config
-import torch._inductor.config
 from accelerate.state import AcceleratorState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,7 +58,7 @@ def parse_variant(variant: str) -> dict:
 
 def inductor_options(variant: str) -> dict:
     parts = variant.split(":")[2:]
-    return {"combo_kernels": "combo" in parts, "max_autotune": "autotune" in parts}
+    return {"combo_kernels": "no-combo" not in parts, "max_autotune": "autotune" in parts}
 
 
 def stepper_for(
@@ -117,7 +117,7 @@ def main():
     torch._dynamo.config.recompile_limit = 64  # each variant's new model recompiles the same forward code
 
     for variant in filter(None, args.profile.split(",")):
-        with torch._inductor.config.patch(inductor_options(variant)):
+        with patch.object(GraphedStepper, "INDUCTOR_OPTIONS", inductor_options(variant)):
             stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
             stepper.run(0, 30, lambda: False)
             torch.cuda.synchronize()
@@ -131,7 +131,7 @@ def main():
 
     rows = []
     for variant in args.variants.split(","):
-        with torch._inductor.config.patch(inductor_options(variant)):
+        with patch.object(GraphedStepper, "INDUCTOR_OPTIONS", inductor_options(variant)):
             stepper = stepper_for(corpus, args.attention_type, **parse_variant(variant))
             start = time.perf_counter()
             stepper.run(0, 230, lambda: False)  # ten epochs: captures, compilation, warm-up
