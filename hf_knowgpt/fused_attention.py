@@ -112,6 +112,24 @@ if triton is not None:
         tl.store(pointer + offsets, values.to(pointer.dtype.element_ty), mask=(rows < limit)[:, None])
 
     @triton.jit
+    def _rotate(x, positions, COS, SIN, seq_len, ROTARY: tl.constexpr, INVERSE: tl.constexpr):
+        """Rotary embedding: each adjacent feature pair (x₂ᵢ, x₂ᵢ₊₁) of the row at position t turned by the
+        angle whose cos and sin are COS[t, i] and SIN[t, i] (backwards when INVERSE: the gradient's way),
+        in fp32. Without ROTARY, x as it is."""
+        if not ROTARY:
+            return x
+        rows, dims = x.shape
+        pairs = tl.arange(0, dims // 2)
+        offsets = positions[:, None] * (dims // 2) + pairs[None, :]
+        inside = (positions < seq_len)[:, None]
+        cos = tl.load(COS + offsets, mask=inside, other=1.0)
+        sin = tl.load(SIN + offsets, mask=inside, other=0.0)
+        if INVERSE:
+            sin = -sin
+        even, odd = tl.split(tl.reshape(x.to(tl.float32), (rows, dims // 2, 2)))
+        return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (rows, dims))
+
+    @triton.jit
     def _dropout_keep(seed_pointer, program, rows, cols, ROW_STRIDE: tl.constexpr, dropout_p):
         """Which weights survive dropout: one uniform per (batch·head, query, key) from the call's seed,
         drawn identically by the forward and the backward kernel, whatever their block size."""
@@ -158,12 +176,12 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS,
+        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS, COS, SIN,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        ROTARY: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """One block of queries of one (batch, head): online softmax over the key blocks it sees."""
         query_block, program = tl.program_id(0), tl.program_id(1)
@@ -175,9 +193,11 @@ if triton is not None:
         out = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         if query_block * BLOCK < length:  # blocks of padding only are skipped (and written as zeros)
             q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
+            q = _rotate(q, rows, COS, SIN, seq_len, ROTARY, False).to(Q.dtype.element_ty)
             for key_block in range(0, query_block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
                 k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
+                k = _rotate(k, cols, COS, SIN, seq_len, ROTARY, False).to(K.dtype.element_ty)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
                 new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -199,11 +219,12 @@ if triton is not None:
 
     @triton.jit
     def _query_terms(
-        Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
-        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr,
+        Q, GRAD_OUT, OUT32, LSE, COS, SIN, program, b, h, rows, dims, length, start, seq_len, n_head,
+        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr,
     ):  # fmt: skip
         """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and dOᵢ·Oᵢ."""
         q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
+        q = _rotate(q, rows, COS, SIN, seq_len, ROTARY, False).to(Q.dtype.element_ty)
         grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
         head_stride = seq_len * HEAD_DIM
         out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, 0)
@@ -229,13 +250,13 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, GRAD_Q, GRAD_K, GRAD_V,
+        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, COS, SIN, GRAD_Q, GRAD_K, GRAD_V,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        ROTARY: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
         them), then of queries i (over the key blocks they see), so no two programs write one gradient."""
@@ -248,12 +269,13 @@ if triton is not None:
         grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         if block * BLOCK < length:
             k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, start)
+            k = _rotate(k, positions, COS, SIN, seq_len, ROTARY, False).to(K.dtype.element_ty)
             v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
             for query_block in range(block, tl.cdiv(length, BLOCK)):
                 rows = query_block * BLOCK + tl.arange(0, BLOCK)
                 q, grad_out, lse, correction = _query_terms(
-                    Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
-                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
+                    Q, GRAD_OUT, OUT32, LSE, COS, SIN, program, b, h, rows, dims, length, start, seq_len, n_head,
+                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, ROTARY,
                 )  # fmt: skip
                 kept_weights, grad_scores = _weight_gradients(
                     q, k, v, grad_out, lse, correction, rows, positions, SEED, program,
@@ -262,18 +284,22 @@ if triton is not None:
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
             q, grad_out, lse, correction = _query_terms(
-                Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
-                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
+                Q, GRAD_OUT, OUT32, LSE, COS, SIN, program, b, h, positions, dims, length, start, seq_len, n_head,
+                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, ROTARY,
             )  # fmt: skip
             for key_block in range(0, block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
                 k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
+                k = _rotate(k, cols, COS, SIN, seq_len, ROTARY, False).to(K.dtype.element_ty)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
                     q, k, v, grad_out, lse, correction, positions, cols, SEED, program,
                     SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
+        # Gradients of the rotated queries and keys, turned back: those of the inputs.
+        grad_k = _rotate(grad_k, positions, COS, SIN, seq_len, ROTARY, True)
+        grad_q = _rotate(grad_q, positions, COS, SIN, seq_len, ROTARY, True)
         _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
         _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
         _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
@@ -286,14 +312,15 @@ if triton is not None:
         shape = (starts.shape[0], query.shape[1], seq_len, query.shape[2])
         return shape, lambda tensor: (0, tensor.stride(1), tensor.stride(0), tensor.stride(2))
 
-    def _launch(kernel, shape, lengths, starts, scale, dropout_p, splits, block_size):
+    def _launch(kernel, shape, lengths, starts, rotary, scale, dropout_p, splits, block_size):
         """The kernel over a grid of (block, batch·head) programs, with the options both kernels share."""
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
         block = min(block_size, row_stride)
         options = dict(
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
-            SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, INTERPRETED=_interpreted(),
+            SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
+            INTERPRETED=_interpreted(),
             num_warps=NUM_WARPS.get(block, 4),
         )  # fmt: skip
         launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
@@ -307,6 +334,8 @@ if triton is not None:
         seed: torch.Tensor,
         lengths: torch.Tensor | None,
         starts: torch.Tensor | None,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         seq_len: int,
         scale: float,
         dropout_p: float,
@@ -320,9 +349,9 @@ if triton is not None:
         out = torch.empty_like(query)
         out32 = torch.empty(shape, device=query.device, dtype=torch.float32)
         lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
-        _launch(_forward_kernel, shape, lengths, starts, scale, dropout_p, splits, block_size)(
+        _launch(_forward_kernel, shape, lengths, starts, cos is not None, scale, dropout_p, splits, block_size)(
             query, key, value, out, out32, lse, seed,
-            query if lengths is None else lengths, query if starts is None else starts,
+            *[query if tensor is None else tensor for tensor in (lengths, starts, cos, sin)],
             *strides(query), *strides(key), *strides(value), *strides(out),
         )  # fmt: skip
         return out, out32, lse
@@ -338,6 +367,8 @@ if triton is not None:
         seed: torch.Tensor,
         lengths: torch.Tensor | None,
         starts: torch.Tensor | None,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         seq_len: int,
         scale: float,
         dropout_p: float,
@@ -347,9 +378,9 @@ if triton is not None:
         shape, strides = _layout(query, starts, seq_len)
         grad_out = grad_out.to(query.dtype)
         grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        _launch(_backward_kernel, shape, lengths, starts, scale, dropout_p, splits, block_size)(
+        _launch(_backward_kernel, shape, lengths, starts, cos is not None, scale, dropout_p, splits, block_size)(
             query, key, value, out32, grad_out, lse, seed,
-            query if lengths is None else lengths, query if starts is None else starts,
+            *[query if tensor is None else tensor for tensor in (lengths, starts, cos, sin)],
             grad_q, grad_k, grad_v,
             *strides(query), *strides(key), *strides(value), *strides(grad_out),
             *strides(grad_q), *strides(grad_k), *strides(grad_v),
@@ -357,17 +388,17 @@ if triton is not None:
         return grad_q, grad_k, grad_v
 
     def _setup_context(ctx, inputs, output):
-        query, key, value, seed, lengths, starts, *options = inputs
-        ctx.save_for_backward(query, key, value, output[1], output[2], seed, lengths, starts)
+        query, key, value, seed, lengths, starts, cos, sin, *options = inputs
+        ctx.save_for_backward(query, key, value, output[1], output[2], seed, lengths, starts, cos, sin)
         ctx.mark_non_differentiable(output[1], output[2])
         ctx.options = options
 
     def _backward(ctx, grad_out, grad_out32, grad_lse):
-        query, key, value, out32, lse, seed, lengths, starts = ctx.saved_tensors
+        query, key, value, out32, lse, seed, lengths, starts, cos, sin = ctx.saved_tensors
         grads = _causal_attention_backward(
-            grad_out, query, key, value, out32, lse, seed, lengths, starts, *ctx.options
+            grad_out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, *ctx.options
         )
-        return (*grads, *[None] * 8)
+        return (*grads, *[None] * 10)
 
     _causal_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
@@ -384,6 +415,7 @@ def fused_causal_attention(
     block_size: int | None = None,
     starts=None,
     seq_len: int | None = None,
+    rotary=None,
 ):
     """Causal softmax(Q Kᵀ · scale) V with dropout on the weights, computed as in fp32; see the module docstring.
 
@@ -398,7 +430,12 @@ def fused_causal_attention(
     and hold B sequences back to back, sequence b being tokens starts[b] … starts[b] + lengths[b] − 1,
     each at most `seq_len` long; every token must belong to one sequence. The result is (tokens, H, D),
     the same numbers (same dropout mask for the same seed) as the (B, H, seq_len, D) call with `lengths`
-    gives for the real positions, without moving the tokens into that grid and back."""
+    gives for the real positions, without moving the tokens into that grid and back.
+
+    `rotary` (optional): (cos, sin) fp32 tables of shape (T, D/2): queries and keys are first rotated as
+    rotary position embedding does, the feature pair (2i, 2i+1) at position t by the angle of
+    cos[t, i], sin[t, i], in fp32 and rounded to the inputs' precision (as rotating them beforehand
+    would), and their gradients are those of the unrotated inputs."""
     packed = starts is not None or seq_len is not None
     if packed and (starts is None or seq_len is None or lengths is None):
         raise ValueError("packed sequences need all of lengths, starts and seq_len")
@@ -436,9 +473,16 @@ def fused_causal_attention(
     lengths = lengths.to(torch.int32) if lengths is not None else None
     starts = starts.to(torch.int32) if starts is not None else None
     seq_len = seq_len if packed else query.shape[2]
+    cos, sin = (None, None) if rotary is None else (table.float().contiguous() for table in rotary)
+    if cos is not None and (cos.shape != (seq_len, query.shape[-1] // 2) or sin.shape != cos.shape):
+        raise ValueError(
+            f"rotary tables must be (T, D/2) = {(seq_len, query.shape[-1] // 2)}, "
+            f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     out, _, _ = _causal_attention_forward(
-        query, key, value, seed, lengths, starts, seq_len, float(scale), float(dropout_p), int(splits), int(block_size)
-    )
+        query, key, value, seed, lengths, starts, cos, sin, seq_len,
+        float(scale), float(dropout_p), int(splits), int(block_size),
+    )  # fmt: skip
     return out
 
 

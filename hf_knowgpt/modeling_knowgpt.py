@@ -96,6 +96,7 @@ class AttentionContext:
     key_positions: torch.Tensor  # (B or 1, Tk), past and present keys
     key_valid: torch.Tensor | None  # (B, Tk) bool, False for padding
     causal_only: bool
+    positions_are_indices: bool = False  # query t (of every row) is at position t: no position_ids, no past
 
     def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
         """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
@@ -263,28 +264,35 @@ class KnowGPTSelfAttention(nn.Module):
     def _packed_kernel_applies(self, grid: TokenGrid, context: AttentionContext, cache) -> bool:
         """Packed training with the fused kernel: it reads the packed tokens as they are. (Where the kernel
         then turns out not to take the tensors, fp32 say, they go through the grid after all.)"""
-        return grid.packed and cache is None and context.causal_only and self.config._attn_implementation == "triton"
+        return (
+            grid.packed
+            and cache is None
+            and context.causal_only
+            and (context.positions_are_indices or not self.rotary)
+            and self.config._attn_implementation == "triton"
+        )
 
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
         packed_kernel = self._packed_kernel_applies(grid, context, cache)
         query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
-        if self.rotary:
-            positions = context.query_positions  # (B or 1, T); packed: each token's, (N,)
-            if packed_kernel:
-                positions = grid.from_grid(positions.expand(grid.batch_size, -1))
-            cos, sin = rotary_angles(positions, self.head_dim, self.config.rope_theta)
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the heads axis
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         scale = 1.0 / math.sqrt(self.head_dim)
         dropout_p = self.config.attn_pdrop if self.training else 0.0
         if packed_kernel and supports_fused_attention(query, key, value, None, True, seq_len=grid.seq_len):
+            rotary = None
+            if self.rotary:  # the kernel rotates queries and keys itself, by their index in the row
+                indices = torch.arange(grid.seq_len, device=query.device)
+                rotary = rotary_angles(indices, self.head_dim, self.config.rope_theta)
             attended = fused_causal_attention(
                 query, key, value, scale, dropout_p,
-                lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len,
+                lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, rotary=rotary,
             )  # fmt: skip
             return self.resid_dropout(self.proj(attended.flatten(-2)))
-        if packed_kernel:  # the kernel does not take these tensors: through the grid as usual
+        if packed_kernel:  # the kernel does not take these tensors after all: through the grid as usual
             query, key, value = (grid.to_grid(states) for states in (query, key, value))
+        if self.rotary:
+            cos, sin = rotary_angles(context.query_positions, self.head_dim, self.config.rope_theta)
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B or 1, T, 1, D/2): the heads axis
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
         query, key, value = (states.transpose(1, 2) for states in (query, key, value))  # (B, H, T, D)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -587,7 +595,13 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             query_positions = position_ids if position_ids is not None else key_positions[:, past_length:]
             if past_length == 0:
                 key_positions = query_positions
-            return AttentionContext(query_positions, key_positions, None, causal_only=past_length == 0)
+            return AttentionContext(
+                query_positions,
+                key_positions,
+                None,
+                causal_only=past_length == 0,
+                positions_are_indices=past_length == 0 and position_ids is None,
+            )
         if attention_mask.dim() != 2 or attention_mask.shape != (batch_size, past_length + seq_len):
             raise ValueError(
                 "attention_mask must be 2-D (batch, cached + new positions) = "

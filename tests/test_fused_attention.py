@@ -14,6 +14,7 @@ import torch
 
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention
 from hf_knowgpt.fused_attention import dropout_keep_mask, fused_causal_attention, supports_fused_attention
+from hf_knowgpt.modeling_knowgpt import apply_rotary, rotary_angles
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if fused_attention.triton is None:
@@ -150,6 +151,38 @@ def test_packed_sequences_match_the_grid(block_size):
                                starts=starts, seq_len=length)  # fmt: skip
     with pytest.raises(ValueError, match="seq_len ≤ 128"):
         fused_causal_attention(*packed, scale, lengths=lengths, starts=starts, seq_len=129)
+
+
+@needs_kernel
+def test_rotary_in_the_kernel_is_rotating_first(block_size):
+    """With rotary tables the kernel gives what rotating queries and keys beforehand (the model's
+    `apply_rotary`) and then attending gives, forward and backward (gradients of the unrotated inputs)."""
+    torch.manual_seed(0)
+    batch, heads, length, head_dim, dropout_p = 2, 3, 45, 32, 0.2
+    query, key, value = head_inputs(batch, heads, length, head_dim, torch.bfloat16, True)
+    cos, sin = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0)  # (T, D/2)
+    scale, seed = 1 / math.sqrt(head_dim), torch.tensor([5], dtype=torch.int64, device=DEVICE)
+    out = fused_causal_attention(query, key, value, scale, dropout_p, seed=seed, rotary=(cos, sin))
+    rotated = fused_causal_attention(
+        apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value, scale, dropout_p, seed=seed
+    )
+    # Rotated queries and keys are rounded to bf16 either way, but Triton's interpreter rounds differently
+    # from torch (toward zero), so an element may differ by a few units of bf16 rounding (2⁻⁸ relative)
+    # of the largest; a wrong angle, sign or pairing moves the results by their whole size.
+    unit = 2**-8
+
+    def assert_near(got, want, name):
+        torch.testing.assert_close(got, want, rtol=4 * unit, atol=4 * unit * want.abs().max().item(), msg=name)
+
+    assert_near(out, rotated, "output")
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, key, value), grad)
+    expected_grads = torch.autograd.grad(rotated, (query, key, value), grad)
+    for name, got, want in zip("qkv", grads, expected_grads):
+        assert_near(got, want, f"gradient of {name}")
+    assert (out - fused_causal_attention(query, key, value, scale, dropout_p, seed=seed)).abs().max() > 0.1
+    with pytest.raises(ValueError, match="rotary tables must be"):
+        fused_causal_attention(query, key, value, scale, rotary=(cos[:-1], sin[:-1]))
 
 
 @needs_kernel
