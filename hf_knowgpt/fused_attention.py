@@ -112,22 +112,23 @@ if triton is not None:
         tl.store(pointer + offsets, values.to(pointer.dtype.element_ty), mask=(rows < limit)[:, None])
 
     @triton.jit
-    def _rotate(x, positions, COS, SIN, seq_len, ROTARY: tl.constexpr, INVERSE: tl.constexpr):
+    def _rotate(x, positions, COS, SIN, seq_len, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, INVERSE: tl.constexpr):
         """Rotary embedding: each adjacent feature pair (x₂ᵢ, x₂ᵢ₊₁) of the row at position t turned by the
         angle whose cos and sin are COS[t, i] and SIN[t, i] (backwards when INVERSE: the gradient's way),
-        in fp32. Without ROTARY, x as it is."""
-        if not ROTARY:
-            return x
-        rows, dims = x.shape
-        pairs = tl.arange(0, dims // 2)
-        offsets = positions[:, None] * (dims // 2) + pairs[None, :]
-        inside = (positions < seq_len)[:, None]
-        cos = tl.load(COS + offsets, mask=inside, other=1.0)
-        sin = tl.load(SIN + offsets, mask=inside, other=0.0)
-        if INVERSE:
-            sin = -sin
-        even, odd = tl.split(tl.reshape(x.to(tl.float32), (rows, dims // 2, 2)))
-        return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), (rows, dims))
+        in fp32 and rounded to x's precision. Without ROTARY, x as it is."""
+        rotated = x
+        if ROTARY:
+            pairs = tl.arange(0, HEAD_DIM // 2)
+            offsets = positions[:, None] * (HEAD_DIM // 2) + pairs[None, :]
+            inside = (positions < seq_len)[:, None]
+            cos = tl.load(COS + offsets, mask=inside, other=1.0)
+            sin = tl.load(SIN + offsets, mask=inside, other=0.0)
+            if INVERSE:
+                sin = -sin
+            even, odd = tl.split(tl.reshape(x.to(tl.float32), (positions.shape[0], HEAD_DIM // 2, 2)))
+            turned = tl.join(even * cos - odd * sin, even * sin + odd * cos)
+            rotated = tl.reshape(turned, (positions.shape[0], HEAD_DIM)).to(x.dtype)
+        return rotated
 
     @triton.jit
     def _dropout_keep(seed_pointer, program, rows, cols, ROW_STRIDE: tl.constexpr, dropout_p):
@@ -193,11 +194,11 @@ if triton is not None:
         out = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         if query_block * BLOCK < length:  # blocks of padding only are skipped (and written as zeros)
             q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
-            q = _rotate(q, rows, COS, SIN, seq_len, ROTARY, False).to(Q.dtype.element_ty)
+            q = _rotate(q, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
             for key_block in range(0, query_block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
                 k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
-                k = _rotate(k, cols, COS, SIN, seq_len, ROTARY, False).to(K.dtype.element_ty)
+                k = _rotate(k, cols, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
                 new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -224,7 +225,7 @@ if triton is not None:
     ):  # fmt: skip
         """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and dOᵢ·Oᵢ."""
         q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
-        q = _rotate(q, rows, COS, SIN, seq_len, ROTARY, False).to(Q.dtype.element_ty)
+        q = _rotate(q, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
         grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
         head_stride = seq_len * HEAD_DIM
         out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, 0)
@@ -269,7 +270,7 @@ if triton is not None:
         grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         if block * BLOCK < length:
             k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, start)
-            k = _rotate(k, positions, COS, SIN, seq_len, ROTARY, False).to(K.dtype.element_ty)
+            k = _rotate(k, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
             v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
             for query_block in range(block, tl.cdiv(length, BLOCK)):
                 rows = query_block * BLOCK + tl.arange(0, BLOCK)
@@ -290,7 +291,7 @@ if triton is not None:
             for key_block in range(0, block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
                 k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
-                k = _rotate(k, cols, COS, SIN, seq_len, ROTARY, False).to(K.dtype.element_ty)
+                k = _rotate(k, cols, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
                     q, k, v, grad_out, lse, correction, positions, cols, SEED, program,
@@ -298,8 +299,8 @@ if triton is not None:
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
         # Gradients of the rotated queries and keys, turned back: those of the inputs.
-        grad_k = _rotate(grad_k, positions, COS, SIN, seq_len, ROTARY, True)
-        grad_q = _rotate(grad_q, positions, COS, SIN, seq_len, ROTARY, True)
+        grad_k = _rotate(grad_k, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
+        grad_q = _rotate(grad_q, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
         _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
         _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
         _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
