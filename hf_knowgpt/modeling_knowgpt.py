@@ -46,7 +46,8 @@ class TokenGrid:
     Dense: every position is computed and hidden states are (B, T, C). Packed: only the positions in
     `token_index` (flat b·T + t) are computed and hidden states are (N, C); a corrupted training
     document fills about half of its 128 positions, the rest is right padding whose targets are never
-    trained. Position-wise layers then do half the work; attention scatters tokens back into the grid.
+    trained. Position-wise layers then do half the work; attention scatters tokens into the grid and
+    gathers them back, except the fused kernel, which reads the rows packed (`row_starts`, `row_lengths`).
     The packed tokens must form a prefix of each row, so that no computed query sees an absent key.
     """
 
