@@ -5,12 +5,16 @@ CUDA graph per kernel replayed many times. Prints a table last.
 
     python benchmarks/bench_attention.py --data_dir .data
 
-Kernels: the fused Triton kernel (`hf_knowgpt.fused_attention`) with 1–3 half-precision parts of its fp32
-operands and several block sizes and warp counts, told each row's real length (as packed training does:
-the lengths of the recipe's first batch of corrupted wiki.txt documents) or not; SDPA with the inputs
-cast to fp32 (the memory-efficient kernel: what `attention_kernel_dtype="float32"` runs); SDPA in bf16
-(flash: fast, but training diverges with it); unfused fp32. SDPA and the unfused kernel compute every
-position whatever the lengths.
+Kernels (`--groups`): `sweep`, the fused Triton kernel (`hf_knowgpt.fused_attention`) with 1–3
+half-precision parts of its fp32 operands and several block sizes and warp counts, told each row's real
+length (as packed training does: the lengths of the recipe's first batch of corrupted wiki.txt documents)
+or not; SDPA with the inputs cast to fp32 (the memory-efficient kernel: what `attention_kernel_dtype="float32"`
+runs); SDPA in bf16 (flash: fast, but training diverges with it); unfused fp32. `rope`: rotary queries and
+keys, rotated first and attended by SDPA in fp32, against the fused kernel rotating them itself (and the
+kernel without rotation). `synthesizer`: keys by position shared by all rows and heads plus a bias per key,
+as SDPA in fp32 with the bias in its mask (what the synthesizer ran before) against the fused kernel. SDPA
+and the unfused kernel compute every position whatever the lengths. Each group's first kernel is its
+baseline, for the speed ratio and the differences.
 """
 
 import argparse
@@ -26,7 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_knowgpt import fused_attention  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
-from hf_knowgpt.modeling_knowgpt import _in_precision, eager_attention, sdpa_attention  # noqa: E402
+from hf_knowgpt.modeling_knowgpt import (  # noqa: E402
+    _in_precision,
+    additive_mask,
+    apply_rotary,
+    eager_attention,
+    rotary_angles,
+    sdpa_attention,
+)
 
 
 @contextlib.contextmanager
@@ -42,11 +53,32 @@ def launch_options(block_size=None, num_warps=None):
         fused_attention.BLOCK_SIZE, fused_attention.NUM_WARPS = original
 
 
-def triton_kernel(splits, lengths=None):
+def triton_kernel(splits, lengths=None, **options):
     def attention(query, key, value, scale, dropout_p):
         return fused_attention.fused_causal_attention(
-            query, key, value, scale, dropout_p, splits=splits, lengths=lengths
+            query, key, value, scale, dropout_p, splits=splits, lengths=lengths, **options
         )
+
+    return attention
+
+
+def rotated_first(attention, cos, sin):
+    def rotated(query, key, value, scale, dropout_p):
+        return attention(apply_rotary(query, cos, sin), apply_rotary(key, cos, sin), value, scale, dropout_p)
+
+    return rotated
+
+
+def sdpa_fp32_with_bias(bias):
+    """The synthesizer's previous path: a (T, D) key table expanded over rows and heads, the bias in the mask."""
+    fp32_sdpa = _in_precision(sdpa_attention, torch.float32)
+
+    def attention(query, table, value, scale, dropout_p):
+        length = query.shape[-2]
+        visible = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+        mask = additive_mask(visible, torch.float32, bias[:length])
+        keys = table[:length].expand_as(query)
+        return fp32_sdpa(query, keys, value, mask, scale=scale, dropout_p=dropout_p, is_causal=False)
 
     return attention
 
@@ -108,6 +140,7 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--data_dir", default=".data", help="where wiki.txt is (for realistic row lengths)")
+    parser.add_argument("--groups", default="sweep", help="comma-separated: sweep, rope, synthesizer")
     parser.add_argument("--results", default=None, help="JSON file for the table")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -120,47 +153,73 @@ def main():
 
     lengths = recipe_lengths(args.data_dir, args.batch, args.length).cuda()
     print(f"row lengths: mean {lengths.float().mean():.1f}, min {lengths.min()}, max {lengths.max()}")
-    kernels = {  # name: (attention, launch options of the fused kernel)
-        "sdpa, inputs cast to fp32 (memory-efficient)": (library_kernel(sdpa_attention, torch.float32), {}),
-        "sdpa bf16 (flash; diverges in training)": (library_kernel(sdpa_attention, None), {}),
-        "unfused fp32 (TF32 products)": (library_kernel(eager_attention, torch.float32), {}),
-        "triton, library defaults, lengths": (triton_kernel(None, lengths), {}),
-        "triton, library defaults, no lengths": (triton_kernel(None), {}),
+    cos, sin = rotary_angles(torch.arange(args.length, device="cuda"), args.head_dim, 10000.0)
+    table = (torch.randn(args.length, args.head_dim, device="cuda") * 0.01).bfloat16().requires_grad_()
+    bias = torch.randn(args.length, device="cuda").requires_grad_()
+    groups = {}  # group: {name: (attention, inputs, launch options of the fused kernel)}
+    sweep = groups["sweep"] = {
+        "sdpa, inputs cast to fp32 (memory-efficient)": (library_kernel(sdpa_attention, torch.float32), inputs, {}),
+        "sdpa bf16 (flash; diverges in training)": (library_kernel(sdpa_attention, None), inputs, {}),
+        "unfused fp32 (TF32 products)": (library_kernel(eager_attention, torch.float32), inputs, {}),
+        "triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {}),
+        "triton, library defaults, no lengths": (triton_kernel(None), inputs, {}),
     }
     for splits in (3, 1):
         for block, num_warps in ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
             options = {"block_size": block, "num_warps": num_warps}
             name = f"triton {splits} split(s), {block}-blocks, {num_warps} warps"
-            kernels[name + ", lengths"] = (triton_kernel(splits, lengths), options)
+            sweep[name + ", lengths"] = (triton_kernel(splits, lengths), inputs, options)
             if splits == 3 and block in (32, 128):
-                kernels[name + ", no lengths"] = (triton_kernel(splits), options)
+                sweep[name + ", no lengths"] = (triton_kernel(splits), inputs, options)
+    fp32_sdpa = library_kernel(sdpa_attention, torch.float32)
+    groups["rope"] = {
+        "rope: sdpa fp32, rotated first": (rotated_first(fp32_sdpa, cos, sin), inputs, {}),
+        "rope: triton, rotated first (separate kernels), lengths": (
+            rotated_first(triton_kernel(None, lengths), cos, sin),
+            inputs,
+            {},
+        ),
+        "rope: triton rotating in the kernel, lengths": (triton_kernel(None, lengths, rotary=(cos, sin)), inputs, {}),
+        "rope: triton without rotation (vanilla), lengths": (triton_kernel(None, lengths), inputs, {}),
+    }
+    synthesizer_inputs = [inputs[0], table, inputs[2]]
+    groups["synthesizer"] = {
+        "synthesizer: sdpa fp32, bias in the mask": (sdpa_fp32_with_bias(bias), synthesizer_inputs, {}),
+        "synthesizer: triton, key table + bias, lengths": (
+            triton_kernel(None, lengths, bias=bias),
+            synthesizer_inputs,
+            {},
+        ),
+    }
 
-    with torch.no_grad():  # one reference: fp32 SDPA without dropout
-        reference = library_kernel(sdpa_attention, torch.float32)(*inputs, scale, 0.0).float()
     real = (torch.arange(args.length, device="cuda") < lengths[:, None])[:, None, :, None]  # compared there
     rows = []
-    for name, (attention, options) in kernels.items():
-        try:
-            with launch_options(**options):
-                milliseconds = time_kernel(attention, inputs, grad, scale, args.dropout, args.replays)
-                with torch.no_grad():
-                    difference = (attention(*inputs, scale, 0.0).float() - reference) * real
-                    error = difference.abs().max().item()
-        except Exception as failure:  # a warp count a kernel cannot run with is reported, not fatal
-            milliseconds, error = float("nan"), f"{type(failure).__name__}: {str(failure)[:80]}"
-        rows.append({"kernel": name, "ms": milliseconds, "max_abs_difference": error})
-        print(json.dumps(rows[-1]), flush=True)
+    for group in args.groups.split(","):
+        reference = None
+        for name, (attention, group_inputs, options) in groups[group].items():
+            try:
+                with launch_options(**options):
+                    milliseconds = time_kernel(attention, group_inputs, grad, scale, args.dropout, args.replays)
+                    with torch.no_grad():  # against the group's first kernel, without dropout
+                        result = attention(*group_inputs, scale, 0.0).float()
+                        reference = result if reference is None else reference
+                        error = ((result - reference) * real).abs().max().item()
+            except Exception as failure:  # a warp count a kernel cannot run with is reported, not fatal
+                milliseconds, error = float("nan"), f"{type(failure).__name__}: {str(failure)[:80]}"
+            rows.append({"group": group, "kernel": name, "ms": milliseconds, "max_abs_difference": error})
+            print(json.dumps(rows[-1]), flush=True)
     if args.results:
         Path(args.results).write_text(json.dumps({"device": describe_device(), "args": vars(args), "rows": rows}))
-    baseline = rows[0]["ms"]
     print(
         f"\n{describe_device()}; forward + backward, ({args.batch}, {args.heads}, {args.length}, {args.head_dim}) bf16"
     )
-    print(f"{'kernel':<56}{'ms':>8}{'vs sdpa fp32':>14}  max |difference| to fp32 sdpa at real positions (no dropout)")
+    print(f"{'kernel':<60}{'ms':>8}{'vs first':>10}  max |difference| to the group's first at real positions")
+    baselines = {}
     for row in rows:
+        baseline = baselines.setdefault(row["group"], row["ms"])
         error = row["max_abs_difference"]
         error = f"{error:.2e}" if isinstance(error, float) else error
-        print(f"{row['kernel']:<56}{row['ms']:>8.3f}{baseline / row['ms']:>13.2f}×  {error}")
+        print(f"{row['kernel']:<60}{row['ms']:>8.3f}{baseline / row['ms']:>9.2f}×  {error}")
 
 
 if __name__ == "__main__":

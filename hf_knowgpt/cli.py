@@ -52,7 +52,7 @@ def add_training_arguments(parser: argparse.ArgumentParser):
         "--training_path",
         choices=["auto", "graphed", "eager", "plain"],
         default="auto",
-        help="auto: one CUDA graph per step on one GPU, eager elsewhere; plain: the handouts' DataLoader way",
+        help="auto: CUDA graphs of whole steps on GPUs (one process or several), eager on CPU; plain: the handouts' DataLoader way",
     )
     group.add_argument("--torch_compile", action="store_true", help="compile the model inside the graphed step")
     group.add_argument("--log_every", type=int, default=50, help="steps between loss reports")

@@ -5,11 +5,11 @@
 - `eager`: batches are built on the device (the whole batch corrupted at once), only real positions are
   computed (`token_index`), attention goes through `scaled_dot_product_attention`; works with any
   number of processes (DDP through accelerate).
-- `graphed` (one CUDA device): the entire step — batch indices from a step counter on the device, span
-  corruption, forward, backward, gradient clipping, the learning rate of this step and fused AdamW — is
-  captured once as a CUDA graph and replayed, so the host launches one graph per step and never waits
-  for the device. Shapes must be static, so it computes every position up to the longest possible
-  example (⌊7B/8⌋ + 2 for pretraining) instead of packing.
+- `graphed` (CUDA, one process or several): the entire step — span corruption, forward, backward, the sum
+  of the processes' gradients (one NCCL all-reduce), gradient clipping, the learning rate of this step and
+  fused AdamW — is captured as CUDA graphs and replayed, so the host launches one graph per step and never
+  waits for the device. Packed (the default), only real positions are computed, one graph per bucket of
+  token counts; dense (one process only), every position up to the longest possible example.
 
 All three see the same examples per step (file order, same batch boundaries, the last batch of an epoch
 smaller), normalize the loss by the number of trained targets and follow the same per-step learning rates.
@@ -22,18 +22,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_loaders.encoding import collate_handout_pairs
 
-from .training import TrainingBatch, packed_token_index
+from .training import TrainingBatch, packed_size, packed_token_index
 
 TRAINING_PATHS = ("auto", "graphed", "eager", "plain")
 
 
-def resolve_training_path(requested: str, device: torch.device, num_processes: int) -> str:
+def resolve_training_path(requested: str, device: torch.device) -> str:
     if requested not in TRAINING_PATHS:
         raise ValueError(f"training_path must be one of {list(TRAINING_PATHS)}, got {requested!r}")
-    if requested == "graphed" and (device.type != "cuda" or num_processes != 1):
-        raise ValueError("training_path 'graphed' needs exactly one CUDA device; use 'eager' elsewhere")
+    if requested == "graphed" and device.type != "cuda":
+        raise ValueError("training_path 'graphed' needs CUDA devices (CUDA graphs); use 'eager' elsewhere")
     if requested == "auto":
-        return "graphed" if device.type == "cuda" and num_processes == 1 else "eager"
+        return "graphed" if device.type == "cuda" else "eager"
     return requested
 
 
@@ -135,10 +135,18 @@ class GraphedStepper:
 
     Packed (the default): the host draws the step's corruption randomness from the same per-step seeded
     generator as the eager path (so both see the same examples), works out which positions are real,
-    and sends the batch indices, the uniforms and the packed token index to the device (pinned, async);
-    the number of real tokens is rounded up to a multiple of `bucket`, and each such size gets its own
-    graph, captured the first time it occurs. Dense: everything, randomness included (the device's
-    default generator), is built inside the graph from the step counter, over ⌊7B/8⌋ + 2 positions.
+    and sends the batch indices, the uniforms, the packed token index and the batch's number of trained
+    targets to the device (pinned, async); the number of real tokens is rounded up to a multiple of
+    `bucket`, and each such size gets its own graph, captured the first time it occurs. Dense (one process
+    only): everything, randomness included (the device's default generator), is built inside the graph from
+    the step counter, over ⌊7B/8⌋ + 2 positions.
+
+    Several processes (`accelerate launch --num_processes N`): each trains its slice of the global batch
+    (the eager path's slices), its loss normalized by the whole batch's trained targets, and the graph
+    sums the gradients over processes with one all-reduce of them all, flattened (NCCL collectives can be
+    captured); DDP's own hooks, which cannot run inside a graph, are bypassed. Every process takes the
+    largest of the processes' token buckets for the step, known to all from the host-side plan, so all
+    capture and replay the same graphs in the same order and their collectives match.
     """
 
     WARMUP_STEPS = 3
@@ -168,17 +176,23 @@ class GraphedStepper:
         self.step_counter = torch.zeros((), dtype=torch.long, device=device)
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count = 0
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        if self.world > 1 and not self.packed:
+            raise ValueError("the graphed path on several processes needs packed batches (packed=True)")
+        self.parameter_sizes = [p.numel() for p in self.parameters]
         data = trainer.data
         self.num_examples = data.num_examples
         self.batch_size = args.batch_size
+        self.rows = -(-self.batch_size // self.world)  # this process's slice of a full batch, at most
         self.steps_per_epoch = trainer.steps_per_epoch
         self.seq_len = data.static_length
         self.orders = None if self.packed else trainer.device_orders()  # (epochs, N) when shuffling
         # Inputs of packed graphs, written before each replay.
         self.generator = torch.Generator()
-        self.indices = torch.zeros(self.batch_size, dtype=torch.long, device=device)
-        self.valid = torch.zeros(self.batch_size, dtype=torch.bool, device=device)
-        self.uniforms = torch.zeros(self.batch_size, 3, dtype=torch.float64, device=device)
+        self.indices = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.valid = torch.zeros(self.rows, dtype=torch.bool, device=device)
+        self.uniforms = torch.zeros(self.rows, 3, dtype=torch.float64, device=device)
+        self.trained_targets = torch.ones((), dtype=torch.float32, device=device)  # the global batch's
         self.token_indices = {}  # capacity -> device buffer
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
@@ -191,6 +205,7 @@ class GraphedStepper:
         if self.packed:
             indices, valid, token_index = self.indices, self.valid, self.token_indices[capacity]
             input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len, uniforms=self.uniforms)
+            trained_targets = self.trained_targets
         else:
             epoch, offset = step // self.steps_per_epoch, step % self.steps_per_epoch
             positions = offset * self.batch_size + torch.arange(self.batch_size, device=self.device)
@@ -202,7 +217,7 @@ class GraphedStepper:
                 indices = self.orders[epoch.clamp(max=self.orders.shape[0] - 1).expand_as(positions), positions]
             input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len)
             token_index = None
-        trained_targets = (labels[:, 1:] != -100).sum()
+            trained_targets = (labels[:, 1:] != -100).sum()
         with torch.autocast(
             self.device.type,
             dtype=self.autocast_dtype or torch.float32,
@@ -217,30 +232,46 @@ class GraphedStepper:
                 use_cache=False,
             ).loss
         loss.backward()
+        if self.world > 1:
+            self._sum_gradients_over_processes()
         if args.grad_norm_clip:
             torch.nn.utils.clip_grad_norm_(self.parameters, args.grad_norm_clip, foreach=True)
         self.learning_rate.copy_(
             self.learning_rates.index_select(0, step.clamp(max=len(self.learning_rates) - 1).view(1))[0]
         )
         self.optimizer.step()
-        self.loss_sum.add_(loss.detach())
+        # Each process's loss is its share of the batch's mean; the log averages over processes.
+        self.loss_sum.add_(loss.detach(), alpha=self.world)
         self.step_counter.add_(1)
+
+    def _sum_gradients_over_processes(self):
+        """One all-reduce for all gradients: flattened into one buffer and copied back (two kernels), where
+        one collective per parameter would cost a launch and a rendezvous each."""
+        gradients = [p.grad for p in self.parameters]
+        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+        torch.distributed.all_reduce(flat)
+        parts = [part.view_as(gradient) for part, gradient in zip(flat.split(self.parameter_sizes), gradients)]
+        torch._foreach_copy_(gradients, parts)
 
     # -- host side of a packed step ------------------------------------------------------------------------------
     def _prepare_packed(self, global_step: int):
-        """Send this step's indices, uniforms and token index to the device; return the graph's capacity."""
+        """Send this step's indices, uniforms, token index and trained-target count to the device; return
+        the graph's capacity (tokens)."""
         trainer, args = self.trainer, self.trainer.args
         indices = trainer.batch_indices(global_step)
-        rows = len(indices)
         self.generator.manual_seed(args.seed * 1_000_003 + global_step)  # as the eager path: same examples
         lengths, uniforms = trainer.data.plan(indices, self.generator)
-        pad = self.batch_size - rows
-        indices = torch.cat([indices, indices.new_zeros(pad)])
-        lengths = torch.cat([lengths, lengths.new_zeros(pad)])
-        uniforms = torch.cat([uniforms, uniforms.new_zeros(pad, 3)])
-        valid = torch.arange(self.batch_size) < rows
-        token_index = packed_token_index(lengths, self.seq_len, self.bucket)
-        capacity = len(token_index)
+        trained_targets = trainer.data.trained_targets(indices, lengths).sum()
+        slices = torch.tensor_split(torch.arange(len(indices)), self.world)  # as the eager path slices
+        grid = self.rows * self.seq_len
+        capacity = max(packed_size(int(lengths[rows].sum()), self.bucket, grid) for rows in slices)
+        mine = slices[self.rank]
+        pad = self.rows - len(mine)
+        indices = torch.cat([indices[mine], indices.new_zeros(pad)])
+        lengths = torch.cat([lengths[mine], lengths.new_zeros(pad)])
+        uniforms = torch.cat([uniforms[mine], uniforms.new_zeros(pad, 3)])
+        valid = torch.arange(self.rows) < len(mine)
+        token_index = packed_token_index(lengths, self.seq_len, size=capacity)
         if capacity not in self.token_indices:
             self.token_indices[capacity] = torch.zeros(capacity, dtype=torch.long, device=self.device)
         # Pinned staging makes the copies asynchronous; torch keeps each staging block until its copy is done.
@@ -250,6 +281,7 @@ class GraphedStepper:
             (self.valid, valid),
             (self.uniforms, uniforms),
             (self.token_indices[capacity], token_index),
+            (self.trained_targets, trained_targets.float()),
         ):
             target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
         return capacity
@@ -290,7 +322,10 @@ class GraphedStepper:
         torch.cuda.current_stream().wait_stream(side_stream)
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # With several processes NCCL's watchdog thread queries events while this one captures; "thread_local"
+        # checks this thread's calls only.
+        mode = "thread_local" if self.world > 1 else "global"
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             self._body(capacity)
         self.pool = self.pool or graph.pool()  # every graph shares one memory pool: they replay in turn
         self.graphs[capacity] = graph

@@ -53,7 +53,7 @@ def fused_attention_available() -> bool:
 def supports_fused_attention(query, key, value, mask, is_causal, seq_len: int | None = None) -> bool:
     """Whether `fused_causal_attention` computes this call: causal bf16 self-attention over at most 128
     positions, without a padding mask; (B, H, T, D) tensors, or packed (tokens, H, D) ones whose
-    sequences are at most `seq_len` long. (fp16 is not offered: on the GPU its value gradients came
+    sequences are at most `seq_len` long; the keys may be a (≥ T, D) table of keys by position. (fp16 is not offered: on the GPU its value gradients came
     out NaN in a test, a fault not found yet.)"""
     if triton is None or mask is not None or not is_causal or not (query.is_cuda or _interpreted()):
         return False
@@ -65,8 +65,9 @@ def supports_fused_attention(query, key, value, mask, is_causal, seq_len: int | 
             return False
     else:
         return False
+    key_table = key.dim() == 2 and key.shape[0] >= length and key.shape[1] == head_dim
     return (
-        key.shape == query.shape
+        (key.shape == query.shape or key_table)
         and value.shape == query.shape
         and query.dtype == torch.bfloat16
         and key.dtype == query.dtype
@@ -159,9 +160,14 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _causal_scores(q, k, rows, cols, SCALE: tl.constexpr, INTERPRETED: tl.constexpr):
-        """Q Kᵀ · scale for a block of queries against a block of keys, −∞ where the key comes after the query."""
+    def _causal_scores(
+        q, k, BIAS, rows, cols, length, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr
+    ):
+        """Q Kᵀ · scale (+ the keys' bias) for a block of queries against a block of keys, −∞ where the key
+        comes after the query."""
         scores = _dot(q, tl.trans(k), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED) * SCALE
+        if HAS_BIAS:
+            scores += tl.load(BIAS + cols, mask=cols < length, other=0.0)[None, :]
         return tl.where(cols[None, :] <= rows[:, None], scores, float("-inf"))
 
     @triton.jit
@@ -176,18 +182,29 @@ if triton is not None:
         return length, 0, seq_len
 
     @triton.jit
+    def _key_start(start, KEY_TABLE: tl.constexpr):
+        """Where a sequence's keys start: a table of keys by position (KEY_TABLE) is the same for all."""
+        if KEY_TABLE:
+            return 0
+        return start
+
+    @triton.jit
     def _forward_kernel(
-        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS, COS, SIN,
+        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS, QR, KR,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
+        sqr_b, sqr_h, sqr_t, sqr_d, skr_b, skr_h, skr_t, skr_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
-        ROTARY: tl.constexpr, INTERPRETED: tl.constexpr,
+        ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
-        """One block of queries of one (batch, head): online softmax over the key blocks it sees."""
+        """One block of queries of one (batch, head): online softmax over the key blocks it sees. With
+        ROTARY it also writes its rotated queries, and the rotated keys of its own block, to QR and KR for
+        the backward pass."""
         query_block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
         length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
+        key_start = _key_start(start, KEY_TABLE)
         rows, dims = query_block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
         row_max = tl.full((BLOCK,), float("-inf"), tl.float32)
         row_sum = tl.zeros((BLOCK,), tl.float32)
@@ -197,10 +214,10 @@ if triton is not None:
             q = _rotate(q, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
             for key_block in range(0, query_block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
-                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, key_start)
                 k = _rotate(k, cols, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
-                scores = _causal_scores(q, k, rows, cols, SCALE, INTERPRETED)
+                scores = _causal_scores(q, k, BIAS, rows, cols, length, SCALE, HAS_BIAS, INTERPRETED)
                 new_max = tl.maximum(row_max, tl.max(scores, 1))
                 rescale = tl.exp(row_max - new_max)
                 weights = tl.exp(scores - new_max[:, None])
@@ -209,6 +226,11 @@ if triton is not None:
                     weights = tl.where(_dropout_keep(SEED, program, rows, cols, ROW_STRIDE, DROPOUT_P), weights, 0.0)
                 out = _split_dot(weights, v, out * rescale[:, None], SPLITS, INTERPRETED)
                 row_max = new_max
+            if ROTARY:  # rotated once here, the backward pass reads them as they are
+                _store(QR, q, b, h, sqr_b, sqr_h, sqr_t, sqr_d, rows, dims, length, start, limit)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, rows, dims, length, start)
+                k = _rotate(k, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
+                _store(KR, k, b, h, skr_b, skr_h, skr_t, skr_d, rows, dims, length, start, limit)
         real = rows < length
         out = out / (tl.where(real, row_sum, 1.0) * (1.0 - DROPOUT_P))[:, None]
         _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, length, start, limit)
@@ -220,12 +242,11 @@ if triton is not None:
 
     @triton.jit
     def _query_terms(
-        Q, GRAD_OUT, OUT32, LSE, COS, SIN, program, b, h, rows, dims, length, start, seq_len, n_head,
-        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr,
+        Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
+        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr,
     ):  # fmt: skip
         """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and dOᵢ·Oᵢ."""
         q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
-        q = _rotate(q, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
         grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
         head_stride = seq_len * HEAD_DIM
         out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, 0)
@@ -234,12 +255,15 @@ if triton is not None:
 
     @triton.jit
     def _weight_gradients(
-        q, k, v, grad_out, lse, correction, rows, cols, SEED, program,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, ROW_STRIDE: tl.constexpr, INTERPRETED: tl.constexpr,
+        q, k, v, grad_out, lse, correction, BIAS, rows, cols, length, SEED, program,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, ROW_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """For a block of queries against a block of keys: the weights after dropout (what multiplied V)
-        and the score gradient dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), all in fp32."""
-        weights = tl.exp(_causal_scores(q, k, rows, cols, SCALE, INTERPRETED) - lse[:, None])
+        and the gradient of the scores (bias included) dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), all in fp32; the
+        gradient of Q Kᵀ is dS · scale."""
+        scores = _causal_scores(q, k, BIAS, rows, cols, length, SCALE, HAS_BIAS, INTERPRETED)
+        weights = tl.exp(scores - lse[:, None])
         grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED)
         if DROPOUT_P > 0:
             keep = _dropout_keep(SEED, program, rows, cols, ROW_STRIDE, DROPOUT_P)
@@ -247,73 +271,87 @@ if triton is not None:
             grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
         else:
             kept_weights = weights
-        return kept_weights, weights * (grad_weights - correction[:, None]) * SCALE
+        return kept_weights, weights * (grad_weights - correction[:, None])
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, COS, SIN, GRAD_Q, GRAD_K, GRAD_V,
+        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS, GRAD_Q, GRAD_K, GRAD_V, GRAD_BIAS,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
-        ROTARY: tl.constexpr, INTERPRETED: tl.constexpr,
+        ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
-        them), then of queries i (over the key blocks they see), so no two programs write one gradient."""
+        them), then of queries i (over the key blocks they see), so no two programs write one gradient.
+        With ROTARY, Q and K are the forward pass's rotated copies. With KEY_TABLE, each program writes its
+        share of the keys' gradient (and with HAS_BIAS of the bias's) for the caller to sum."""
         block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
         length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
+        key_start = _key_start(start, KEY_TABLE)
         positions, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
         grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        grad_bias = tl.zeros((BLOCK,), tl.float32)
         if block * BLOCK < length:
-            k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, start)
-            k = _rotate(k, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
+            k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, key_start)
             v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
             for query_block in range(block, tl.cdiv(length, BLOCK)):
                 rows = query_block * BLOCK + tl.arange(0, BLOCK)
                 q, grad_out, lse, correction = _query_terms(
-                    Q, GRAD_OUT, OUT32, LSE, COS, SIN, program, b, h, rows, dims, length, start, seq_len, n_head,
-                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, ROTARY,
+                    Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
+                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
                 )  # fmt: skip
                 kept_weights, grad_scores = _weight_gradients(
-                    q, k, v, grad_out, lse, correction, rows, positions, SEED, program,
-                    SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
+                    q, k, v, grad_out, lse, correction, BIAS, rows, positions, length, SEED, program,
+                    SCALE, DROPOUT_P, ROW_STRIDE, HAS_BIAS, INTERPRETED,
                 )  # fmt: skip
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
+                if HAS_BIAS:
+                    grad_bias += tl.sum(grad_scores, 0)
             q, grad_out, lse, correction = _query_terms(
-                Q, GRAD_OUT, OUT32, LSE, COS, SIN, program, b, h, positions, dims, length, start, seq_len, n_head,
-                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, ROTARY,
+                Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
+                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
             )  # fmt: skip
             for key_block in range(0, block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
-                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, start)
-                k = _rotate(k, cols, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, key_start)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
-                    q, k, v, grad_out, lse, correction, positions, cols, SEED, program,
-                    SCALE, DROPOUT_P, ROW_STRIDE, INTERPRETED,
+                    q, k, v, grad_out, lse, correction, BIAS, positions, cols, length, SEED, program,
+                    SCALE, DROPOUT_P, ROW_STRIDE, HAS_BIAS, INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
-        # Gradients of the rotated queries and keys, turned back: those of the inputs.
-        grad_k = _rotate(grad_k, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
-        grad_q = _rotate(grad_q, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
-        _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
+        # The scores' gradients times the scale: those of Q Kᵀ. Rotated queries' and keys' gradients are
+        # turned back: those of the inputs.
+        grad_k = _rotate(grad_k * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
+        grad_q = _rotate(grad_q * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
+        if KEY_TABLE:  # every position's row of this program's share, zeros past the sequence
+            _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, 0, seq_len)
+        else:
+            _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
+        if HAS_BIAS:
+            tl.store(GRAD_BIAS + program * seq_len + positions, grad_bias, mask=positions < seq_len)
         _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
         _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
 
     def _layout(query, starts, seq_len):
         """(batch, heads, length, head_dim) of a call, and how to read a tensor's (b, h, t, d) strides:
-        packed tensors are (tokens, H, D) whose sequence b starts at token starts[b]."""
+        packed tensors are (tokens, H, D) whose sequence b starts at token starts[b]; a (T, D) table of keys
+        by position is the same for every sequence and head."""
         if starts is None:
-            return query.shape, lambda tensor: tensor.stride()
-        shape = (starts.shape[0], query.shape[1], seq_len, query.shape[2])
-        return shape, lambda tensor: (0, tensor.stride(1), tensor.stride(0), tensor.stride(2))
+            shape = query.shape
+            grid_strides = lambda tensor: tensor.stride()  # noqa: E731
+        else:
+            shape = (starts.shape[0], query.shape[1], seq_len, query.shape[2])
+            grid_strides = lambda tensor: (0, tensor.stride(1), tensor.stride(0), tensor.stride(2))  # noqa: E731
+        return shape, lambda tensor: (0, 0, *tensor.stride()) if tensor.dim() == 2 else grid_strides(tensor)
 
-    def _launch(kernel, shape, lengths, starts, rotary, scale, dropout_p, splits, block_size):
+    def _launch(kernel, shape, lengths, starts, rotary, key_table, bias, scale, dropout_p, splits, block_size):
         """The kernel over a grid of (block, batch·head) programs, with the options both kernels share."""
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
@@ -321,11 +359,15 @@ if triton is not None:
         options = dict(
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
             SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
-            INTERPRETED=_interpreted(),
+            KEY_TABLE=key_table, HAS_BIAS=bias is not None, INTERPRETED=_interpreted(),
             num_warps=NUM_WARPS.get(block, 4),
         )  # fmt: skip
         launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
         return lambda *arguments: launcher(*arguments, heads, length, **options)
+
+    def _pointers(query, *optional):
+        """Absent optional tensors as a pointer the kernel never reads (its constexpr flags say so)."""
+        return [query if tensor is None else tensor for tensor in optional]
 
     @torch.library.triton_op("knowgpt::causal_attention_forward", mutates_args=())
     def _causal_attention_forward(
@@ -337,25 +379,33 @@ if triton is not None:
         starts: torch.Tensor | None,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
+        bias: torch.Tensor | None,
         seq_len: int,
         scale: float,
         dropout_p: float,
         splits: int,
         block_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
+        rotary = cos is not None
         # Outputs and gradients in the inputs' memory order: for the model's (B, T, H·D) views that makes
         # merging the heads a view and gathering the packed tokens a read of contiguous rows.
         out = torch.empty_like(query)
         out32 = torch.empty(shape, device=query.device, dtype=torch.float32)
         lse = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
-        _launch(_forward_kernel, shape, lengths, starts, cos is not None, scale, dropout_p, splits, block_size)(
+        # Rotated queries and keys for the backward pass (empty without rotary).
+        rotated_query = torch.empty_like(query) if rotary else query.new_empty(0)
+        rotated_key = torch.empty_like(key) if rotary else key.new_empty(0)
+        rotated_strides = [*strides(rotated_query), *strides(rotated_key)] if rotary else [0] * 8  # never read
+        _launch(
+            _forward_kernel, shape, lengths, starts, rotary, key.dim() == 2, bias, scale, dropout_p, splits, block_size
+        )(
             query, key, value, out, out32, lse, seed,
-            *[query if tensor is None else tensor for tensor in (lengths, starts, cos, sin)],
-            *strides(query), *strides(key), *strides(value), *strides(out),
+            *_pointers(query, lengths, starts, cos, sin, bias, *((rotated_query, rotated_key) if rotary else (None, None))),
+            *strides(query), *strides(key), *strides(value), *strides(out), *rotated_strides,
         )  # fmt: skip
-        return out, out32, lse
+        return out, out32, lse, rotated_query, rotated_key
 
     @torch.library.triton_op("knowgpt::causal_attention_backward", mutates_args=())
     def _causal_attention_backward(
@@ -370,36 +420,53 @@ if triton is not None:
         starts: torch.Tensor | None,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
+        bias: torch.Tensor | None,
         seq_len: int,
         scale: float,
         dropout_p: float,
         splits: int,
         block_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of query, key, value and bias (empty without one); with rotary tables, `query` and `key`
+        are the forward pass's rotated copies."""
         shape, strides = _layout(query, starts, seq_len)
+        batch, heads, length, head_dim = shape
+        key_table = key.dim() == 2
         grad_out = grad_out.to(query.dtype)
-        grad_q, grad_k, grad_v = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        _launch(_backward_kernel, shape, lengths, starts, cos is not None, scale, dropout_p, splits, block_size)(
-            query, key, value, out32, grad_out, lse, seed,
-            *[query if tensor is None else tensor for tensor in (lengths, starts, cos, sin)],
-            grad_q, grad_k, grad_v,
+        grad_q, grad_v = torch.empty_like(query), torch.empty_like(value)
+        # A shared table's gradient sums every sequence's and head's share: each program writes its own.
+        grad_k = torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
+        grad_bias = torch.empty(batch * heads, length, device=key.device) if bias is not None else key.new_empty(0)
+        _launch(
+            _backward_kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits,
+            block_size,
+        )(
+            query, key, value, out32, grad_out, lse, seed, *_pointers(query, lengths, starts, cos, sin, bias),
+            grad_q, grad_k, grad_v, *_pointers(grad_q, grad_bias if bias is not None else None),
             *strides(query), *strides(key), *strides(value), *strides(grad_out),
-            *strides(grad_q), *strides(grad_k), *strides(grad_v),
+            *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v),
         )  # fmt: skip
-        return grad_q, grad_k, grad_v
+        if key_table:
+            grad_k = grad_k.sum((0, 1)).to(key.dtype)
+            grad_bias = grad_bias.sum(0) if bias is not None else grad_bias
+        return grad_q, grad_k, grad_v, grad_bias
 
     def _setup_context(ctx, inputs, output):
-        query, key, value, seed, lengths, starts, cos, sin, *options = inputs
-        ctx.save_for_backward(query, key, value, output[1], output[2], seed, lengths, starts, cos, sin)
-        ctx.mark_non_differentiable(output[1], output[2])
+        query, key, value, seed, lengths, starts, cos, sin, bias, *options = inputs
+        _, out32, lse, rotated_query, rotated_key = output
+        if cos is not None:  # the backward pass reads the rotated copies instead
+            query, key = rotated_query, rotated_key
+        ctx.save_for_backward(query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias)
+        ctx.mark_non_differentiable(out32, lse, rotated_query, rotated_key)
         ctx.options = options
 
-    def _backward(ctx, grad_out, grad_out32, grad_lse):
-        query, key, value, out32, lse, seed, lengths, starts, cos, sin = ctx.saved_tensors
-        grads = _causal_attention_backward(
-            grad_out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, *ctx.options
+    def _backward(ctx, grad_out, *unused_grads):
+        query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_bias = _causal_attention_backward(
+            grad_out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *ctx.options
         )
-        return (*grads, *[None] * 10)
+        # No gradients for the seed, lengths, starts, rotary tables and the options.
+        return grad_q, grad_k, grad_v, *[None] * 5, grad_bias if bias is not None else None, *[None] * 5
 
     _causal_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
@@ -417,8 +484,10 @@ def fused_causal_attention(
     starts=None,
     seq_len: int | None = None,
     rotary=None,
+    bias=None,
 ):
-    """Causal softmax(Q Kᵀ · scale) V with dropout on the weights, computed as in fp32; see the module docstring.
+    """Causal softmax(Q Kᵀ · scale + bias) V with dropout on the weights, computed as in fp32; see the module
+    docstring.
 
     `splits` (1–3, default `DEFAULT_SPLITS`): half-precision parts of the fp32 operands. `seed` (an int64
     tensor of one element on the inputs' device) fixes the dropout mask; by default each call draws one.
@@ -436,14 +505,18 @@ def fused_causal_attention(
     `rotary` (optional): (cos, sin) fp32 tables of shape (T, D/2): queries and keys are first rotated as
     rotary position embedding does, the feature pair (2i, 2i+1) at position t by the angle of
     cos[t, i], sin[t, i], in fp32 and rounded to the inputs' precision (as rotating them beforehand
-    would), and their gradients are those of the unrotated inputs."""
+    would), and their gradients are those of the unrotated inputs.
+
+    Keys by position (the synthesizer's): `key` may be a (T', D) table, T' ≥ T, whose row t is the key of
+    position t in every sequence and head; its gradient sums theirs. `bias` (optional, T' values): added to
+    the score of every key at position t (computed in fp32), with its gradient."""
     packed = starts is not None or seq_len is not None
     if packed and (starts is None or seq_len is None or lengths is None):
         raise ValueError("packed sequences need all of lengths, starts and seq_len")
     if not supports_fused_attention(query, key, value, None, True, seq_len=seq_len if packed else None):
         layout = "(tokens, H, D) with seq_len ≤ 128" if packed else "(B, H, T ≤ 128, D)"
         raise ValueError(
-            f"fused_causal_attention needs Triton and bf16 CUDA tensors of one shape {layout} "
+            f"fused_causal_attention needs Triton and bf16 CUDA tensors of one shape {layout} (keys: or a (≥ T, D) table) "
             f"with D a power of two ≥ 16; got {tuple(query.shape)} {query.dtype} on {query.device}"
         )
     splits = DEFAULT_SPLITS if splits is None else splits
@@ -480,8 +553,19 @@ def fused_causal_attention(
             f"rotary tables must be (T, D/2) = {(seq_len, query.shape[-1] // 2)}, "
             f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    out, _, _ = _causal_attention_forward(
-        query, key, value, seed, lengths, starts, cos, sin, seq_len,
+    if key.dim() == 2:
+        if cos is not None:
+            raise ValueError("rotary needs keys per token, not a table of keys by position")
+        key = key[:seq_len]
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] < seq_len or bias.device != query.device:
+            raise ValueError(
+                f"bias must hold one value per key position (at least {seq_len}) on {query.device}, "
+                f"got shape {tuple(bias.shape)} on {bias.device}"
+            )
+        bias = bias[:seq_len].float()
+    out, *_ = _causal_attention_forward(
+        query, key, value, seed, lengths, starts, cos, sin, bias, seq_len,
         float(scale), float(dropout_p), int(splits), int(block_size),
     )  # fmt: skip
     return out

@@ -149,7 +149,8 @@ def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengt
     """The fused Triton kernel (`hf_knowgpt.fused_attention`: bf16 in and out, computed as in fp32) where
     it applies: causal bf16 self-attention without a padding mask over at most 128 positions on a CUDA
     device, i.e. bf16 training. `fallback` (SDPA) everywhere else: fp32, masks, the KV cache, the
-    synthesizer's bias, the perceiver's cross-attention, CPU."""
+    perceiver's cross-attention, CPU. (Packed training calls the kernel directly, the synthesizer's keys by
+    position and bias included.)"""
     if supports_fused_attention(query, key, value, mask, is_causal):
         return fused_causal_attention(query, key, value, scale, dropout_p, lengths=lengths)
     return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
@@ -213,6 +214,39 @@ def merge_heads(states: torch.Tensor) -> torch.Tensor:
     return states.transpose(1, 2).reshape(batch, length, n_head * head_dim)
 
 
+def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
+    """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
+    Plain ones run as one product of their concatenated weights (one kernel instead of several, forward and
+    backward, and one `place`); layers that are replaced or hooked (adapters) run as the modules they are."""
+    place = place or (lambda states: states)
+    plain = all(
+        type(layer) is nn.Linear and layer.bias is not None and not (layer._forward_hooks or layer._forward_pre_hooks)
+        for layer in layers
+    )
+    if not plain:
+        return [place(layer(hidden_states)) for layer in layers]
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = torch.cat([layer.bias for layer in layers])
+    projected = place(F.linear(hidden_states, weight, bias))
+    return list(projected.split([layer.out_features for layer in layers], dim=-1))
+
+
+def reads_packed_tokens(
+    config: KnowGPTConfig, grid: "TokenGrid", context: "AttentionContext", cache, by_position: bool
+):
+    """Packed training with the fused kernel: it reads the packed tokens as they are. Attention that depends
+    on positions (rope, the synthesizer's keys) takes them as each token's index in its row, so it needs
+    positions that are those indices. (Where the kernel then turns out not to take the tensors, fp32 say,
+    they go through the grid after all.)"""
+    return (
+        grid.packed
+        and cache is None
+        and context.causal_only
+        and (context.positions_are_indices or not by_position)
+        and config._attn_implementation == "triton"
+    )
+
+
 class KnowGPTMLP(nn.Module):
     def __init__(self, config: KnowGPTConfig):
         super().__init__()
@@ -243,35 +277,12 @@ class KnowGPTSelfAttention(nn.Module):
 
     def _project(self, hidden_states, grid: TokenGrid, in_grid: bool):
         """Queries, keys and values per token and head: (…, H, D), in the (B, T) grid when `in_grid`,
-        else as `hidden_states` come (packed tokens stay packed). Plain Linear layers run as one product
-        (one kernel instead of three, forward and backward, and one scatter into the grid); modules that
-        replace or hook them (adapters) run as they are."""
-        layers = (self.query, self.key, self.value)
-        plain = (
-            type(layer) is nn.Linear
-            and layer.bias is not None
-            and not (layer._forward_hooks or layer._forward_pre_hooks)
-            for layer in layers
-        )
-        place = grid.to_grid if in_grid else (lambda states: states)
-        if all(plain):
-            weight = torch.cat([layer.weight for layer in layers])
-            bias = torch.cat([layer.bias for layer in layers])
-            projected = place(F.linear(hidden_states, weight, bias)).split(self.config.n_embd, dim=-1)
-        else:
-            projected = [place(layer(hidden_states)) for layer in layers]
+        else as `hidden_states` come (packed tokens stay packed)."""
+        projected = project(hidden_states, (self.query, self.key, self.value), grid.to_grid if in_grid else None)
         return [states.unflatten(-1, (self.n_head, self.head_dim)) for states in projected]
 
     def _packed_kernel_applies(self, grid: TokenGrid, context: AttentionContext, cache) -> bool:
-        """Packed training with the fused kernel: it reads the packed tokens as they are. (Where the kernel
-        then turns out not to take the tensors, fp32 say, they go through the grid after all.)"""
-        return (
-            grid.packed
-            and cache is None
-            and context.causal_only
-            and (context.positions_are_indices or not self.rotary)
-            and self.config._attn_implementation == "triton"
-        )
+        return reads_packed_tokens(self.config, grid, context, cache, by_position=self.rotary)
 
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
         packed_kernel = self._packed_kernel_applies(grid, context, cache)
@@ -333,8 +344,21 @@ class KnowGPTSynthesizerAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
-        features = split_heads(grid.to_grid(F.relu(self.w1(hidden_states))), self.n_head)
-        value = split_heads(grid.to_grid(self.value(hidden_states)), self.n_head)
+        packed_kernel = reads_packed_tokens(self.config, grid, context, cache, by_position=True)
+        features, value = project(hidden_states, (self.w1, self.value), None if packed_kernel else grid.to_grid)
+        features = F.relu(features)
+        dropout_p = self.config.attn_pdrop if self.training else 0.0
+        if packed_kernel:
+            features, value = (states.unflatten(-1, (self.n_head, self.head_dim)) for states in (features, value))
+            keys = self.w2.t().to(value.dtype)  # (block_size, D): the key of position t is column t of B
+            if supports_fused_attention(features, keys, value, None, True, seq_len=grid.seq_len):
+                attended = fused_causal_attention(
+                    features, keys, value, 1.0, dropout_p,
+                    lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, bias=self.b2,
+                )  # fmt: skip
+                return self.resid_dropout(self.proj(attended.flatten(-2)))
+            features, value = (grid.to_grid(states.flatten(-2)) for states in (features, value))
+        features, value = split_heads(features, self.n_head), split_heads(value, self.n_head)
         # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t.
         key = self.w2.t()[context.query_positions][:, None].to(value.dtype)
         key = key.expand(value.shape[0], 1, -1, -1)
@@ -349,7 +373,7 @@ class KnowGPTSynthesizerAttention(nn.Module):
             value,
             additive_mask(visible, features.dtype, bias),
             scale=1.0,
-            dropout_p=self.config.attn_pdrop if self.training else 0.0,
+            dropout_p=dropout_p,
             is_causal=False,
         )
         return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended))))

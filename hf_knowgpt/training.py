@@ -129,6 +129,10 @@ class PretrainingData:
         )
         return truncated + 2, uniforms
 
+    def trained_targets(self, indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Targets each example trains, from its `plan` length: every position after the first."""
+        return (lengths - 1).clamp(min=0)
+
     def _corrupt(self, indices: torch.Tensor, uniforms: torch.Tensor | None):
         return span_corrupt(
             self.documents[indices],
@@ -149,7 +153,7 @@ class PretrainingData:
         # The uniforms are drawn on the host, so the example lengths are known without waiting for the device.
         lengths, uniforms = self.plan(indices, generator)
         corrupted = self._corrupt(indices.to(self.documents.device), uniforms)
-        return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, lengths - 1)
+        return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, self.trained_targets(indices, lengths))
 
 
 class FinetuningData:
@@ -177,6 +181,9 @@ class FinetuningData:
     def plan(self, indices: torch.Tensor, generator: torch.Generator):
         return self.host_lengths[indices], torch.zeros(len(indices), 3, dtype=torch.float64)
 
+    def trained_targets(self, indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.host_trained_targets[indices]
+
     def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
         labels = self.labels[indices, :seq_len].masked_fill(~valid[:, None], -100)
         return self.input_ids[indices, :seq_len], labels
@@ -187,7 +194,7 @@ class FinetuningData:
             self.input_ids[device_indices],
             self.labels[device_indices],
             self.host_lengths[indices],
-            self.host_trained_targets[indices],
+            self.trained_targets(indices, None),
         )
 
 
@@ -225,6 +232,14 @@ class MixedData:
         lengths = torch.where(is_document, document_lengths, self.questions.host_lengths[question_rows])
         return lengths, uniforms
 
+    def trained_targets(self, indices, lengths):
+        is_document, document_rows, question_rows = self._split(indices)
+        return torch.where(
+            is_document,
+            self.documents.trained_targets(document_rows, lengths),
+            self.questions.trained_targets(question_rows, lengths),
+        )
+
     def batch(self, indices, generator) -> TrainingBatch:
         is_document, document_rows, question_rows = self._split(indices)
         documents = self.documents.batch(document_rows, generator)
@@ -245,14 +260,23 @@ class MixedData:
         return torch.where(rows, document_ids, question_ids), torch.where(rows, document_labels, question_labels)
 
 
-def packed_token_index(lengths: torch.Tensor, seq_len: int, multiple: int = 1) -> torch.Tensor:
+def packed_size(count: int, multiple: int, limit: int) -> int:
+    """`count` tokens rounded up to a multiple of `multiple`, at most `limit` (the whole grid)."""
+    return min(-(-count // multiple) * multiple, limit)
+
+
+def packed_token_index(
+    lengths: torch.Tensor, seq_len: int, multiple: int = 1, size: int | None = None
+) -> torch.Tensor:
     """Flat indices (b·T + t) of the positions t < lengths[b]; with `multiple`, extended by padding
     positions (the earliest of each row first, which keeps each row a prefix) to a multiple of it, so
-    shapes repeat and compiled code is reused."""
+    shapes repeat and compiled code is reused; with `size`, extended to exactly that many."""
     positions = torch.arange(seq_len)
     real = positions[None] < lengths[:, None]
     count = int(lengths.clamp(max=seq_len).sum())
-    target = min(-(-count // multiple) * multiple, real.numel())
+    target = packed_size(count, multiple, real.numel()) if size is None else size
+    if not count <= target <= real.numel():
+        raise ValueError(f"size must lie between the {count} real tokens and the grid's {real.numel()}, got {target}")
     if target > count:
         padding_rank = (positions[None] - lengths[:, None]).masked_fill(real, real.numel())
         order = (padding_rank * lengths.shape[0] + torch.arange(lengths.shape[0])[:, None]).flatten()
@@ -584,7 +608,7 @@ class KnowGPTTrainer:
         self._prepare_output_dir()
         accelerator.wait_for_everyone()
         device = accelerator.device
-        path = resolve_training_path(args.training_path, device, accelerator.num_processes)
+        path = resolve_training_path(args.training_path, device)
         self.training_path = path
         self.data.to(device)
         unwrapped = self.model
@@ -745,6 +769,7 @@ __all__ = [
     "handout_parameter_groups",
     "list_checkpoints",
     "make_accelerator",
+    "packed_size",
     "packed_token_index",
     "rows_per_step",
     "validate_checkpoint",

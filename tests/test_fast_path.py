@@ -1,9 +1,12 @@
 """The fast paths compute the same function as the plain (handout-style) path."""
 
 import copy
+import os
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing
 from conftest import tiny_config
 
 from data_loaders import encode_birthplace_examples, encode_documents, generate_people
@@ -22,11 +25,15 @@ BLOCK = 64
 TOLERANCE = 1e-5  # fp32: only the summation order differs (fused vs unfused attention, packed vs padded)
 
 
-@pytest.fixture
-def pretraining_data():  # per test: trainers move their data to their device
+def _pretraining_data():
     sentences = [p.sentence for p in generate_people(40, seed=2)]
     tokenizer = KnowGPTTokenizerFast.from_corpus("\n".join(sentences))
     return tokenizer, PretrainingData(*encode_documents(tokenizer, sentences, BLOCK), BLOCK)
+
+
+@pytest.fixture
+def pretraining_data():  # per test: trainers move their data to their device
+    return _pretraining_data()
 
 
 def fresh_model(vocab_size, attention_type="vanilla", dropout=0.0):
@@ -165,15 +172,62 @@ def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path
         assert torch.allclose(a, b, atol=1e-5), name
 
 
+def _graphed_bodies_in_one_of_two_processes(rank, port, directory, steps):
+    """One process of two (gloo on CPU): the packed graphed body, uncaptured, for `steps` steps."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    tokenizer, data = _pretraining_data()
+    trainer = make_trainer(directory / f"rank{rank}", data, fresh_model(len(tokenizer)), graphed=True)
+    assert trainer.accelerator.num_processes == 2 and trainer.accelerator.process_index == rank
+    stepper = GraphedStepper(trainer, packed=True, bucket=64)
+    capacities, losses = [], []
+    for step in range(steps):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        capacities.append(stepper._prepare_packed(step))
+        stepper._body(capacities[-1])
+        losses.append(trainer.accelerator.reduce(stepper.take_loss(), reduction="mean").item())
+    torch.save(
+        {"capacities": capacities, "losses": losses, "parameters": [p.detach() for p in trainer.model.parameters()]},
+        directory / f"rank{rank}.pt",
+    )
+
+
+def test_graphed_bodies_on_two_processes_take_the_single_process_steps(pretraining_data, tmp_path):
+    """Each process trains its slice of the global batch and the body sums their gradients (the all-reduce the
+    CUDA graph captures on GPUs): the parameters follow the one-process eager steps."""
+    tokenizer, data = pretraining_data
+    reference = make_trainer(tmp_path / "one", data, fresh_model(len(tokenizer)), graphed=False)
+    steps = reference.steps_per_epoch + 1  # crosses an epoch boundary and its smaller last batch
+    generator, reference_losses = torch.Generator(), []
+    for step in range(steps):
+        generator.manual_seed(reference.args.seed * 1_000_003 + step)
+        batch = data.batch(reference.batch_indices(step), generator)
+        reference_losses.append(reference.optimizer_step(batch, 0, 1).item())
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    torch.multiprocessing.spawn(_graphed_bodies_in_one_of_two_processes, args=(port, tmp_path, steps), nprocs=2)
+    first, second = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
+    # Both processes replay the same graph (token capacity) at every step, or their collectives would not match.
+    assert first["capacities"] == second["capacities"]
+    assert first["losses"] == pytest.approx(reference_losses, abs=TOLERANCE)
+    for name, a, b, c in zip(
+        [n for n, _ in reference.model.named_parameters()], first["parameters"], second["parameters"],
+        reference.model.parameters(),
+    ):  # fmt: skip
+        assert torch.equal(a, b), name  # the same summed gradients: the same parameters
+        assert torch.allclose(a, c, atol=1e-5), name
+
+
 def test_training_path_selection():
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert resolve_training_path("auto", cpu, 1) == "eager"
-    assert resolve_training_path("auto", gpu, 1) == "graphed"
-    assert resolve_training_path("auto", gpu, 2) == "eager"
-    with pytest.raises(ValueError, match="one CUDA device"):
-        resolve_training_path("graphed", cpu, 1)
+    assert resolve_training_path("auto", cpu) == "eager"
+    assert resolve_training_path("auto", gpu) == "graphed"  # one process or several
+    assert resolve_training_path("plain", gpu) == "plain"
+    with pytest.raises(ValueError, match="needs CUDA devices"):
+        resolve_training_path("graphed", cpu)
     with pytest.raises(ValueError, match="training_path must be one of"):
-        resolve_training_path("turbo", cpu, 1)
+        resolve_training_path("turbo", cpu)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

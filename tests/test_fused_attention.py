@@ -27,10 +27,13 @@ needs_kernel = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 
 
-def reference_attention(query, key, value, scale, keep=None, dropout_p=0.0):
-    """fp64 causal attention; dropout applies `keep` (the kernel's mask) to the softmax weights."""
+def reference_attention(query, key, value, scale, keep=None, dropout_p=0.0, bias=None):
+    """fp64 causal attention; dropout applies `keep` (the kernel's mask) to the softmax weights; `bias` is
+    added to each key's score."""
     length = query.shape[-2]
     scores = query.double() @ key.double().transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias.double()
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     if keep is not None:
@@ -186,6 +189,53 @@ def test_rotary_in_the_kernel_is_rotating_first(block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("packed", [False, True], ids=["grid", "packed"])
+def test_keys_by_position_with_a_bias(block_size, packed):
+    """The synthesizer's attention: one (T, D) table of keys by position shared by every sequence and head,
+    and a bias per key position. Results and gradients (the table's and the bias's summed over sequences and
+    heads) are the exact ones rounded, with lengths; the packed call gives the grid call's numbers."""
+    torch.manual_seed(0)
+    batch, heads, length, head_dim, dropout_p = 4, 2, 70, 16, 0.2
+    lengths = torch.tensor([70, 5, 33, 64], device=DEVICE)
+    query, _, value = head_inputs(batch, heads, length, head_dim, torch.bfloat16, True)
+    table = torch.randn(length + 10, head_dim, device=DEVICE).to(torch.bfloat16).requires_grad_()  # T' > T
+    bias = torch.randn(length + 10, device=DEVICE, requires_grad=True)
+    real = torch.arange(length, device=DEVICE) < lengths[:, None]  # (B, T)
+    seed = torch.tensor([11], dtype=torch.int64, device=DEVICE)
+
+    out = fused_causal_attention(query, table, value, 1.0, dropout_p, seed=seed, lengths=lengths, bias=bias)
+    keep = dropout_keep_mask(seed, batch, heads, length, dropout_p)
+    expected = reference_attention(query, table[:length], value, 1.0, keep, dropout_p, bias=bias[:length])
+    mask = real[:, None, :, None]
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (query, table, value, bias), grad)
+    expected_grads = torch.autograd.grad(expected, (query, table, value, bias), grad.double() * mask)
+    ulp = 2**-7
+    torch.testing.assert_close(out, (expected * mask).to(out.dtype), rtol=ulp, atol=1e-6)
+    for name, got, want in zip(("query", "key table", "value", "bias"), grads, expected_grads):
+        # The table's and the bias's gradients are sums over 8 sequence-heads of partial sums in fp32.
+        tolerance = dict(rtol=ulp, atol=1e-6) if got.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want.to(got.dtype), **tolerance, msg=lambda text, n=name: f"{n}: {text}")
+    assert not grads[1][length:].any() and not grads[3][length:].any()  # positions past T: never used
+
+    if packed:
+        starts = lengths.cumsum(0) - lengths
+        tokens = [states.detach().transpose(1, 2)[real].requires_grad_() for states in (query, value)]
+        packed_out = fused_causal_attention(tokens[0], table, tokens[1], 1.0, dropout_p, seed=seed,
+                                            lengths=lengths, starts=starts, seq_len=length, bias=bias)  # fmt: skip
+        assert torch.equal(packed_out, out.transpose(1, 2)[real])
+        packed_grads = torch.autograd.grad(packed_out, (tokens[0], table, tokens[1], bias), grad.transpose(1, 2)[real])
+        assert torch.equal(packed_grads[0], grads[0].transpose(1, 2)[real])
+        assert torch.equal(packed_grads[2], grads[2].transpose(1, 2)[real])
+        assert torch.equal(packed_grads[1], grads[1]) and torch.equal(packed_grads[3], grads[3])
+    with pytest.raises(ValueError, match="bias must hold one value per key position"):
+        fused_causal_attention(query, table, value, 1.0, lengths=lengths, bias=bias[:10])
+    with pytest.raises(ValueError, match="rotary needs keys per token"):
+        cos, sin = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0)
+        fused_causal_attention(query, table, value, 1.0, rotary=(cos, sin))
+
+
+@needs_kernel
 def test_dropout_mask_rate_and_freshness():
     batch, heads, length = 4, 2, 64
     seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
@@ -206,10 +256,16 @@ def test_dropout_mask_rate_and_freshness():
 
 
 @needs_kernel
-@pytest.mark.parametrize("attention_type", ["vanilla", "rope"])
-def test_triton_implementation_trains_like_sdpa(attention_type):
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer"])
+def test_triton_implementation_trains_like_sdpa(attention_type, monkeypatch):
     """Under bf16 autocast the model's loss and gradients are as close to fp32 training's with the fused
-    kernel as with SDPA's fp32 kernel (no dropout; packed tokens included)."""
+    kernel, reading the packed tokens, as with SDPA's fp32 kernel (no dropout)."""
+    import hf_knowgpt.modeling_knowgpt as modeling
+
+    kernel_calls = []
+    monkeypatch.setattr(
+        modeling, "fused_causal_attention", lambda *a, **k: kernel_calls.append(k) or fused_causal_attention(*a, **k)
+    )
     torch.manual_seed(0)
     config = KnowGPTConfig(
         vocab_size=60, n_layer=2, n_head=4, n_embd=64, block_size=48, attention_type=attention_type,
@@ -237,6 +293,7 @@ def test_triton_implementation_trains_like_sdpa(attention_type):
             ((gradient - exact_gradient).norm() / exact_gradient.norm()).item(),
         )
     fused, sdpa = errors["triton"], errors["sdpa"]
+    assert len(kernel_calls) == config.n_layer and all("starts" in call for call in kernel_calls)  # packed
     assert fused[1] < 0.02  # what bf16 projections cost: ~1% of the gradient
     assert fused[0] <= 2 * sdpa[0] + 1e-4 and fused[1] <= 1.5 * sdpa[1], errors
 
