@@ -46,9 +46,9 @@ def timed(command: list[str], log: Path) -> tuple[float, str]:
 
 
 def loss_at(curve: list[dict], step: int) -> float | None:
-    """Mean of the logged losses over the 50 steps before `step` (the log is every 50 steps)."""
+    """Mean of the logged losses over the 50 steps before `step` (the log is every 50 steps); None past the run."""
     before = [point for point in curve if point["step"] <= step]
-    return before[-1]["loss"] if before else None
+    return before[-1]["loss"] if before and step <= curve[-1]["step"] else None
 
 
 def run_one(args, attention_type: str, processes: int, work: Path) -> dict:
