@@ -190,6 +190,10 @@ def main():
             synthesizer_inputs,
             {},
         ),
+        # What each part costs: the table alone, the bias alone (keys per token), neither (vanilla).
+        "synthesizer: triton, key table, no bias, lengths": (triton_kernel(None, lengths), synthesizer_inputs, {}),
+        "synthesizer: triton, keys per token + bias, lengths": (triton_kernel(None, lengths, bias=bias), inputs, {}),
+        "synthesizer: triton, keys per token, no bias, lengths": (triton_kernel(None, lengths), inputs, {}),
     }
 
     real = (torch.arange(args.length, device="cuda") < lengths[:, None])[:, None, :, None]  # compared there

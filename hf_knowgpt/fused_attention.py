@@ -295,7 +295,7 @@ if triton is not None:
         grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
         grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-        grad_bias = tl.zeros((BLOCK,), tl.float32)
+        grad_scores_sum = tl.zeros((BLOCK, BLOCK), tl.float32)  # over query blocks; summed over rows at the end
         if block * BLOCK < length:
             k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, key_start)
             v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
@@ -312,7 +312,7 @@ if triton is not None:
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
                 if HAS_BIAS:
-                    grad_bias += tl.sum(grad_scores, 0)
+                    grad_scores_sum += grad_scores
             q, grad_out, lse, correction = _query_terms(
                 Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
                 sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
@@ -335,6 +335,7 @@ if triton is not None:
         else:
             _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
         if HAS_BIAS:
+            grad_bias = tl.sum(grad_scores_sum, 0)
             tl.store(GRAD_BIAS + program * seq_len + positions, grad_bias, mask=positions < seq_len)
         _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
         _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)

@@ -350,7 +350,8 @@ class KnowGPTSynthesizerAttention(nn.Module):
         dropout_p = self.config.attn_pdrop if self.training else 0.0
         if packed_kernel:
             features, value = (states.unflatten(-1, (self.n_head, self.head_dim)) for states in (features, value))
-            keys = self.w2.t().to(value.dtype)  # (block_size, D): the key of position t is column t of B
+            # (block_size, D), the key of position t being column t of B; rows contiguous, for the kernel's loads
+            keys = self.w2.t().to(value.dtype, memory_format=torch.contiguous_format)
             if supports_fused_attention(features, keys, value, None, True, seq_len=grid.seq_len):
                 attended = fused_causal_attention(
                     features, keys, value, 1.0, dropout_p,

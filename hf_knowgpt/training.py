@@ -316,7 +316,7 @@ class TrainingArguments:
     # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
     # whole run): the first part of a long run, for studies of early training. None: run to the end.
     stop_after_steps: int | None = None
-    time_epochs: bool = False  # synchronize at every epoch end and record the time (benchmarks)
+    time_epochs: bool = False  # record the time at every epoch end (benchmarks), without waiting for the device
     log_every: int = 50
     checkpointing_steps: str | None = None  # an integer, or "epoch"
     save_total_limit: int = 2
@@ -409,6 +409,69 @@ class _StopRequested:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class _Timeline:
+    """Moments of a run without waiting for the device: CUDA events on a GPU, read once they have passed (a
+    host synchronization every few steps would leave the GPU idle while the host prepares the next one);
+    the host's clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.start = self.mark()
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def passed(self, mark) -> bool:
+        return not self.cuda or mark.query()
+
+    def seconds(self, mark, since=None) -> float:
+        """Seconds from `since` (the start) to `mark`, waiting for the device to reach it."""
+        since = self.start if since is None else since
+        if not self.cuda:
+            return mark - since
+        mark.synchronize()
+        return since.elapsed_time(mark) / 1000
+
+
+class _LossLog:
+    """The loss every `log_every` steps, read from the device once it is there rather than when asked for:
+    each reading is copied to the host asynchronously and logged (curve, progress bar, trackers) at a later
+    log point, or when the run waits for the device anyway (checkpoints, the end)."""
+
+    def __init__(self, trainer: "KnowGPTTrainer", timeline: _Timeline, progress, start_step: int):
+        self.trainer, self.timeline, self.progress = trainer, timeline, progress
+        self.pending = []  # (step, host loss, timeline mark)
+        self.last_step, self.last_mark = start_step, timeline.start
+
+    def record(self, step: int, loss: torch.Tensor):
+        if loss.is_cuda:
+            host = torch.empty((), dtype=loss.dtype, pin_memory=True)
+            host.copy_(loss.detach(), non_blocking=True)
+            loss = host
+        self.pending.append((step, loss, self.timeline.mark()))
+        self.flush(wait=False)
+
+    def flush(self, wait: bool):
+        trainer = self.trainer
+        args = trainer.args
+        while self.pending and (wait or self.timeline.passed(self.pending[0][2])):
+            step, loss, mark = self.pending.pop(0)
+            seconds = self.timeline.seconds(mark, since=self.last_mark)
+            positions = (step - self.last_step) * args.batch_size * (trainer.block_size - 1)
+            self.last_step, self.last_mark = step, mark
+            mean_loss = loss.item()
+            lr = args.learning_rate * trainer.lr_multipliers[min(step, len(trainer.lr_multipliers) - 1)]
+            trainer.loss_curve.append({"step": step, "loss": mean_loss, "lr": lr})
+            tokens_per_second = f"{positions / max(seconds, 1e-9):,.0f}"
+            self.progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=tokens_per_second)
+            if args.report_to:
+                trainer.accelerator.log({"train/loss": mean_loss, "train/lr": lr}, step=step)
 
 
 @dataclass
@@ -638,8 +701,10 @@ class KnowGPTTrainer:
         total_steps = len(self.steps_rows)
         progress = _progress_bar(total_steps, start_step, disable=not accelerator.is_local_main_process)
         self.model.train()
-        global_step, interrupted, epoch_seconds = start_step, 0, []
-        started, last_log, last_log_step = time.perf_counter(), time.perf_counter(), start_step
+        global_step, interrupted, epoch_marks = start_step, 0, []
+        started = time.perf_counter()
+        timeline = _Timeline(device)
+        losses = _LossLog(self, timeline, progress, start_step)
         last_step = min(total_steps, args.stop_after_steps or total_steps)
         with _StopRequested() as stop:
             while global_step < last_step:
@@ -653,23 +718,13 @@ class KnowGPTTrainer:
                 global_step += done
                 progress.update(done)
                 if args.time_epochs and global_step % self.steps_per_epoch == 0:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    epoch_seconds.append(time.perf_counter() - started)
+                    epoch_marks.append(timeline.mark())
                 if path == "graphed":  # the graph sets the rates; keep the host scheduler's count for checkpoints
                     getattr(scheduler, "scheduler", scheduler).last_epoch = global_step
                 if global_step % args.log_every == 0 or global_step == last_step or stop.signal is not None:
-                    mean_loss = accelerator.reduce(stepper.take_loss(), reduction="mean").item()
-                    lr = args.learning_rate * self.lr_multipliers[min(global_step, total_steps - 1)]
-                    now = time.perf_counter()
-                    positions = (global_step - last_log_step) * args.batch_size * (self.block_size - 1)
-                    tokens_per_second = positions / max(now - last_log, 1e-9)
-                    last_log, last_log_step = now, global_step
-                    self.loss_curve.append({"step": global_step, "loss": mean_loss, "lr": lr})
-                    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
-                    if args.report_to:
-                        accelerator.log({"train/loss": mean_loss, "train/lr": lr}, step=global_step)
+                    losses.record(global_step, accelerator.reduce(stepper.take_loss(), reduction="mean"))
                 if self._should_checkpoint(global_step) or stop.signal is not None:
+                    losses.flush(wait=True)  # the checkpoint holds the loss curve so far
                     self.save_checkpoint(global_step)
                 if stop.signal is not None:
                     interrupted = int(stop.signal)
@@ -677,6 +732,7 @@ class KnowGPTTrainer:
                     break
         if device.type == "cuda":
             torch.cuda.synchronize()
+        losses.flush(wait=True)
         progress.close()
         seconds = time.perf_counter() - started
         unwrapped.config._attn_implementation = attn_implementation
@@ -691,7 +747,7 @@ class KnowGPTTrainer:
             examples_per_second=trained_examples / max(seconds, 1e-9),
             loss_curve=self.loss_curve,
             interrupted=interrupted,
-            epoch_seconds=epoch_seconds,
+            epoch_seconds=[timeline.seconds(mark) for mark in epoch_marks],
             warmup_seconds=getattr(stepper, "capture_seconds", 0.0),
         )
 
