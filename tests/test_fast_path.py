@@ -12,6 +12,7 @@ from conftest import tiny_config
 from data_loaders import encode_birthplace_examples, encode_documents, generate_people
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
 from hf_knowgpt.fast_path import GraphedStepper, resolve_training_path
+from hf_knowgpt.fused_attention import fused_attention_available
 from hf_knowgpt.training import (
     FinetuningData,
     KnowGPTTrainer,
@@ -258,6 +259,36 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tm
     assert abs(graphed.take_loss().item() - uncaptured.take_loss().item()) < 1e-4
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+@pytest.mark.skipif(not fused_attention_available(), reason="the fused kernel needs Triton and a CUDA device")
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer", "perceiver"])
+def test_compiled_bf16_steps_follow_the_uncompiled_ones(pretraining_data, tmp_path, attention_type):
+    """torch.compile changes rounding, not the function: under bf16 with the fused kernel, the compiled body's
+    losses follow the uncompiled body's step by step (the kernels read their tensors with the strides they
+    were traced with, so a layout that inductor changed would show here)."""
+    tokenizer, data = pretraining_data
+    torch.manual_seed(0)
+    config = tiny_config(attention_type, vocab_size=len(tokenizer), block_size=BLOCK, n_layer=4, n_head=2,
+                         n_embd=64, bottleneck_dim=16, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    reference = KnowGPTForCausalLM(config).cuda()
+    losses = {}
+    for compiled in (False, True):
+        model = copy.deepcopy(reference)
+        model.set_attn_implementation("triton")
+        args = TrainingArguments(output_dir=str(tmp_path), max_epochs=2, batch_size=16, training_path="graphed")
+        trainer = KnowGPTTrainer(model, data, args)
+        trainer.data.to("cuda")
+        trainer.optimizer = trainer._make_optimizer(graphed=True)
+        stepper = GraphedStepper(trainer, compile_model=compiled, bucket=64)
+        stepper.autocast_dtype = torch.bfloat16
+        losses[compiled] = []
+        for step in range(6):
+            trainer.optimizer.zero_grad(set_to_none=True)
+            stepper._body(stepper._prepare_packed(step))
+            losses[compiled].append(stepper.take_loss().item())
+    assert losses[True] == pytest.approx(losses[False], rel=2e-2), losses
+    assert losses[False][-1] < losses[False][0]  # it trains
 
 
 class _NoHostReads:
