@@ -5,14 +5,15 @@ and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
     python benchmarks/profile_step.py --data_dir .data
 
-A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N][:grid-attn]][:kernel=float32|float16|none][:separate-qkv][:no-combo][:autotune]`:
+A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N][:grid-attn]][:kernel=float32|float16|none][:separate-qkv][:no-combo][:autotune][:dense-inputs]`:
 `eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
 `triton-attn` through the fused Triton kernel with that many splits (`attn_implementation="triton"`) and
 blocks of N positions (default the library's), otherwise SDPA; `separate-qkv` runs the query, key and
 value layers as three products (as before they were fused into one); `grid-attn` moves packed tokens into
 the (B, T) grid and back around the Triton kernel (as before it read them packed); `no-combo` compiles
 without inductor's `combo_kernels` (independent small kernels launched as one; the library's default) and
-`autotune` with `max_autotune` (matrix-product templates with fused epilogues); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
+`autotune` with `max_autotune` (matrix-product templates with fused epilogues); `dense-inputs` hands the
+kernel's (B, H, T, D) calls contiguous copies of their inputs (a torch.compile diagnostic); `kernel=` sets `attention_kernel_dtype` (the precision of the attention kernel under bf16;
 default float32).
 """
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention  # noqa: E402
+from hf_knowgpt import modeling_knowgpt as modeling  # noqa: E402
 from hf_knowgpt.fast_path import GraphedStepper  # noqa: E402
 from hf_knowgpt.modeling_knowgpt import KnowGPTSelfAttention  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
@@ -53,6 +55,7 @@ def parse_variant(variant: str) -> dict:
     options["kernel_dtype"] = None if kernels[-1:] == ["none"] else (kernels[-1] if kernels else "float32")
     options["separate_projections"] = "separate-qkv" in parts[2:]
     options["grid_attention"] = "grid-attn" in parts[2:]
+    options["dense_kernel_inputs"] = "dense-inputs" in parts[2:]
     return options
 
 
@@ -71,6 +74,7 @@ def stepper_for(
     kernel_dtype,
     separate_projections,
     grid_attention,
+    dense_kernel_inputs,
 ):
     AcceleratorState._reset_state(True)
     torch._dynamo.reset()  # compiled code is reused across models otherwise, whatever the inductor options
@@ -89,6 +93,15 @@ def stepper_for(
         for module in model.modules():
             if isinstance(module, KnowGPTSelfAttention):
                 module.value.register_forward_pre_hook(lambda module, inputs: None)
+    modeling.fused_causal_attention = fused_attention.fused_causal_attention
+    if dense_kernel_inputs:  # (B, H, T, D) calls get contiguous copies of their views (a compile diagnostic)
+
+        def with_dense_inputs(query, key, value, *args, **kwargs):
+            if query.dim() == 4:
+                query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            return fused_attention.fused_causal_attention(query, key, value, *args, **kwargs)
+
+        modeling.fused_causal_attention = with_dense_inputs
     if grid_attention:  # the Triton kernel over the (B, T) grid, packed tokens scattered in and gathered out
         for module in model.modules():
             if isinstance(module, KnowGPTSelfAttention):
