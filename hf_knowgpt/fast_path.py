@@ -144,9 +144,9 @@ class GraphedStepper:
     Several processes (`accelerate launch --num_processes N`): each trains its slice of the global batch
     (the eager path's slices), its loss normalized by the whole batch's trained targets, and the graph
     sums the gradients over processes with one all-reduce of them all, flattened (NCCL collectives can be
-    captured); DDP's own hooks, which cannot run inside a graph, are bypassed. Every process takes the
-    largest of the processes' token buckets for the step, known to all from the host-side plan, so all
-    capture and replay the same graphs in the same order and their collectives match.
+    captured); the model is not wrapped in DDP, whose hooks break the capture of the backward pass. Every
+    process takes the largest of the processes' token buckets for the step, known to all from the host-side
+    plan, so all capture and replay the same graphs in the same order and their collectives match.
     """
 
     WARMUP_STEPS = 3
@@ -180,6 +180,10 @@ class GraphedStepper:
         if self.world > 1 and not self.packed:
             raise ValueError("the graphed path on several processes needs packed batches (packed=True)")
         self.parameter_sizes = [p.numel() for p in self.parameters]
+        if self.world > 1:  # every process starts from the first one's parameters, as DDP's construction ensures
+            with torch.no_grad():
+                for parameter in self.parameters:
+                    torch.distributed.broadcast(parameter, src=0)
         data = trainer.data
         self.num_examples = data.num_examples
         self.batch_size = args.batch_size

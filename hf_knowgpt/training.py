@@ -689,7 +689,14 @@ class KnowGPTTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: self.lr_multipliers[min(step, len(self.lr_multipliers) - 1)]
         )
-        self.model, optimizer, scheduler = accelerator.prepare(self.model, optimizer, scheduler)
+        if path == "graphed" and accelerator.num_processes > 1:
+            # No DDP wrapper: the graph sums the gradients itself, and DDP's hooks break a CUDA graph capture of the
+            # backward pass ("operation would make the legacy stream depend on a capturing blocking stream", seen on
+            # two H200s); the stepper broadcasts the parameters as DDP would.
+            self.model = accelerator.prepare_model(self.model, evaluation_mode=True)
+            optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        else:
+            self.model, optimizer, scheduler = accelerator.prepare(self.model, optimizer, scheduler)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.loss_curve = []
         start_step = self._resume_step()
