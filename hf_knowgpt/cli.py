@@ -116,3 +116,8 @@ def run_training(function, *args, **kwargs):
     except TrainingInterrupted as stopped:
         print(f"{stopped}: resume with --resume_from_checkpoint latest")
         raise SystemExit(128 + stopped.signal_number) from None
+    finally:  # several processes (accelerate launch): leave the process group as torch asks, not at exit
+        import torch.distributed
+
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

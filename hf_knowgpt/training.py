@@ -667,7 +667,9 @@ class KnowGPTTrainer:
         from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
 
         args, accelerator = self.args, self.accelerator
-        set_seed(args.seed)
+        # Each process its own dropout draws (seed + process index): with one seed, the processes' slices of a
+        # batch would share their masks. One process: the seed itself.
+        set_seed(args.seed, device_specific=True)
         self._prepare_output_dir()
         accelerator.wait_for_everyone()
         device = accelerator.device
