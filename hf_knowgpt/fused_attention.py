@@ -21,10 +21,12 @@ correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an fp32 copy of the o
 `fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
 tensors (any strides) and returns the attended values in bf16, in the memory order of `query`; with
 `starts=` and `seq_len=` it reads and writes packed tokens (tokens, H, D) directly, the sequences lying
-back to back (packed training: no scatter into a padded grid and gather back). It applies to causal
-self-attention without a padding mask (training) with T ≤ 128 and D a power of two ≥ 16;
-`supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA device (or
-Triton's interpreter).
+back to back (packed training: no scatter into a padded grid and gather back). Rope's rotation
+(`rotary=`: the forward kernel rotates each block as it loads it and writes the rotated copies for the
+backward kernel) and the synthesizer's keys by position with a bias (`key` a (T, D) table, `bias=`) are
+done inside. It applies to causal self-attention without a padding mask (training) with T ≤ 128 and D a
+power of two ≥ 16; `supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA
+device (or Triton's interpreter).
 """
 
 import os
