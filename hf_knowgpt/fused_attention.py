@@ -55,8 +55,8 @@ def fused_attention_available() -> bool:
 def supports_fused_attention(query, key, value, mask, is_causal, seq_len: int | None = None) -> bool:
     """Whether `fused_causal_attention` computes this call: causal bf16 self-attention over at most 128
     positions, without a padding mask; (B, H, T, D) tensors, or packed (tokens, H, D) ones whose
-    sequences are at most `seq_len` long; the keys may be a (≥ T, D) table of keys by position. (fp16 is not offered: on the GPU its value gradients came
-    out NaN in a test, a fault not found yet.)"""
+    sequences are at most `seq_len` long; the keys may be a (≥ T, D) table of keys by position. (fp16 is
+    not offered: on the GPU its value gradients came out NaN in a test, a fault not found yet.)"""
     if triton is None or mask is not None or not is_causal or not (query.is_cuda or _interpreted()):
         return False
     if query.dim() == 3 and seq_len is not None:
