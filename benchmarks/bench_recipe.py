@@ -263,9 +263,12 @@ def main(argv=None):
                 )
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "loss_curve"}), flush=True)
-    summary = {"device": describe_device(device), "import_s": IMPORT_SECONDS, "bf16_matmul_tflops": peak, "rows": rows}
-    if args.output:
-        Path(args.output).write_text(json.dumps(summary, indent=2))
+                summary = {
+                    "device": describe_device(device), "import_s": IMPORT_SECONDS, "bf16_matmul_tflops": peak,
+                    "rows": rows,
+                }  # fmt: skip
+                if args.output:  # after every case: a run cut short keeps what it measured
+                    Path(args.output).write_text(json.dumps(summary, indent=2))
 
     print(
         f"\ndevice: {summary['device']}; imports {IMPORT_SECONDS:.1f} s; measured bf16 matmul: {peak or 0:.0f} TFLOP/s"

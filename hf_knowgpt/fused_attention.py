@@ -368,11 +368,15 @@ if triton is not None:
         launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
         return lambda *arguments: launcher(*arguments, heads, length, **options)
 
-    def _pointers(placeholder, *optional):
-        """Absent optional tensors as a pointer the kernel never touches (its constexpr flags say so): a
-        tensor of the op's own, never an input, so that torch.compile's analysis of what the kernel writes
-        cannot take an input for written where it is conservative (it is for some branches)."""
-        return [placeholder if tensor is None else tensor for tensor in optional]
+    def _pointers(device, *optional):
+        """Absent optional tensors as pointers the kernel never touches (its constexpr flags say so): one
+        tensor of their own, shared by no input or output. torch.compile's functionalization of a Triton
+        kernel gives every argument its analysis takes for written (conservatively, at times an unused one)
+        a copy made before the launch, then rebinds the argument's tensor to that copy, argument after
+        argument; an output passed twice could end up rebound to a copy the kernel never wrote. (Passing
+        `out32` and `grad_q` here trained the perceiver's compiled latent blocks wrongly.)"""
+        unused = torch.empty(1, device=device)
+        return [unused if tensor is None else tensor for tensor in optional]
 
     @torch.library.triton_op("knowgpt::causal_attention_forward", mutates_args=())
     def _causal_attention_forward(
@@ -407,7 +411,7 @@ if triton is not None:
             _forward_kernel, shape, lengths, starts, rotary, key.dim() == 2, bias, scale, dropout_p, splits, block_size
         )(
             query, key, value, out, out32, lse, seed,
-            *_pointers(out32, lengths, starts, cos, sin, bias, *((rotated_query, rotated_key) if rotary else (None, None))),
+            *_pointers(query.device, lengths, starts, cos, sin, bias, *((rotated_query, rotated_key) if rotary else (None, None))),
             *strides(query), *strides(key), *strides(value), *strides(out), *rotated_strides,
         )  # fmt: skip
         return out, out32, lse, rotated_query, rotated_key
@@ -446,8 +450,8 @@ if triton is not None:
             _backward_kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits,
             block_size,
         )(
-            query, key, value, out32, grad_out, lse, seed, *_pointers(grad_q, lengths, starts, cos, sin, bias),
-            grad_q, grad_k, grad_v, *_pointers(grad_q, grad_bias if bias is not None else None),
+            query, key, value, out32, grad_out, lse, seed, *_pointers(query.device, lengths, starts, cos, sin, bias),
+            grad_q, grad_k, grad_v, *_pointers(query.device, grad_bias if bias is not None else None),
             *strides(query), *strides(key), *strides(value), *strides(grad_out),
             *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v),
         )  # fmt: skip

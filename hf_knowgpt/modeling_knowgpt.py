@@ -151,12 +151,7 @@ def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengt
     device, i.e. bf16 training. `fallback` (SDPA) everywhere else: fp32, masks, the KV cache, the
     perceiver's cross-attention, CPU. (Packed training calls the kernel directly, the synthesizer's keys by
     position and bias included.)"""
-    # Inside torch.compile, calls in this (B, H, T, D) layout trained wrongly (the perceiver's latent blocks:
-    # loss 3.2–3.3 against 2.7 at step 690 uncompiled or with SDPA, H100 and H200, torch 2.11; neither dense
-    # inputs nor turning inductor's combo kernels off changed that), for a reason not found yet: compiled
-    # code takes the fallback here. The packed calls of training are unaffected (their losses follow the
-    # uncompiled ones and the handouts' curve).
-    if supports_fused_attention(query, key, value, mask, is_causal) and not torch.compiler.is_compiling():
+    if supports_fused_attention(query, key, value, mask, is_causal):
         return fused_causal_attention(query, key, value, scale, dropout_p, lengths=lengths)
     return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
 

@@ -265,9 +265,9 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tm
 @pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer", "perceiver"])
 def test_compiled_bf16_steps_follow_the_uncompiled_ones(pretraining_data, tmp_path, attention_type):
     """torch.compile changes rounding, not the function: under bf16 with the fused kernel, the compiled body's
-    losses follow the uncompiled body's step by step. (At these small sizes it passed on an H100 even before
-    compiled code stopped giving the perceiver's (B, H, T, D) calls to the kernel, while the handouts'
-    perceiver trained wrongly that way: it does not reproduce that fault; benchmarks/RESULTS.md.)"""
+    losses follow the uncompiled body's step by step. (At these small sizes it passed on an H100 while the
+    handouts' perceiver trained wrongly when compiled, because two kernel arguments shared memory: it does
+    not catch that fault; `test_no_written_kernel_argument_shares_memory_with_another` does.)"""
     tokenizer, data = pretraining_data
     torch.manual_seed(0)
     config = tiny_config(attention_type, vocab_size=len(tokenizer), block_size=BLOCK, n_layer=4, n_head=2,

@@ -237,6 +237,74 @@ def test_keys_by_position_with_a_bias(block_size, packed):
         fused_causal_attention(query, table, value, 1.0, rotary=(cos, sin))
 
 
+@pytest.mark.skipif(
+    fused_attention.triton is None, reason="Triton is not installed (CPU builds of torch come without it)"
+)
+@pytest.mark.parametrize("call", ["grid", "packed", "packed-rotary", "grid-key-table-bias"])
+def test_no_written_kernel_argument_shares_memory_with_another(call, monkeypatch):
+    """torch.compile replaces each kernel argument it takes for written by a copy made before the launch
+    and rebinds that argument's tensor to it, one argument after another: a tensor passed as two arguments
+    may end up bound to the copy the kernel never wrote (how the perceiver's compiled latent blocks once
+    trained on stale gradients). So each written argument must be memory of its own. The launches are
+    recorded, not run: this needs Triton but no GPU."""
+    launches = []
+
+    def record(kernel):
+        def launch(*arguments, **options):
+            launches.append((kernel.fn.__name__, dict(zip(kernel.arg_names, arguments))))
+
+        return _Launcher(launch)
+
+    monkeypatch.setattr(torch.library, "wrap_triton", record)
+    batch, heads, length, head_dim = 2, 2, 20, 16
+    lengths = starts = rotary = bias = None
+    seq_len = length
+    if call.startswith("packed"):
+        lengths, starts = torch.tensor([20, 15], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32)
+        query, key, value = (torch.randn(35, heads, head_dim, dtype=torch.bfloat16) for _ in range(3))
+        if call == "packed-rotary":
+            rotary = rotary_angles(torch.arange(length), head_dim, 10000.0)
+    else:
+        projected = torch.randn(batch, length, 3 * heads * head_dim, dtype=torch.bfloat16)
+        query, key, value = (x.unflatten(-1, (heads, head_dim)).transpose(1, 2) for x in projected.chunk(3, -1))
+        if call == "grid-key-table-bias":
+            key, bias = torch.randn(length, head_dim, dtype=torch.bfloat16), torch.randn(length)
+    cos, sin = rotary if rotary is not None else (None, None)
+    seed = torch.tensor([1])
+    options = (seq_len, 0.25, 0.1, 3, 16)
+    out, out32, lse, rotated_query, rotated_key = torch.ops.knowgpt.causal_attention_forward(
+        query, key, value, seed, lengths, starts, cos, sin, bias, *options
+    )
+    torch.ops.knowgpt.causal_attention_backward(
+        out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options
+    )
+    written = {
+        "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
+        "_backward_kernel": ["GRAD_Q", "GRAD_K", "GRAD_V"] + (["GRAD_BIAS"] if bias is not None else []),
+    }
+    assert [name for name, _ in launches] == ["_forward_kernel", "_backward_kernel"]
+    for name, arguments in launches:
+        tensors = {argument: value for argument, value in arguments.items() if isinstance(value, torch.Tensor)}
+        for output in written[name]:
+            storage = tensors[output].untyped_storage().data_ptr()
+            sharing = [
+                other
+                for other, value in tensors.items()
+                if other != output and value.untyped_storage().data_ptr() == storage
+            ]
+            assert not sharing, f"{name}: {output} shares memory with {sharing}"
+
+
+class _Launcher:
+    """What `wrap_triton(kernel)[grid]` returns, recording instead of launching."""
+
+    def __init__(self, launch):
+        self.launch = launch
+
+    def __getitem__(self, grid):
+        return self.launch
+
+
 @needs_kernel
 def test_dropout_mask_rate_and_freshness():
     batch, heads, length = 4, 2, 64
