@@ -21,26 +21,8 @@ from hf_knowgpt import fused_attention  # noqa: E402
 from hf_knowgpt.modeling_knowgpt import rotary_angles  # noqa: E402
 
 
-class RecordedLaunches:
-    """Stands in for `torch.library.wrap_triton`: `wrap_triton(kernel)[grid](*arguments)` records the call."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, kernel):
-        calls = self.calls
-
-        class Launcher:
-            def __getitem__(self, grid):
-                return lambda *arguments, **options: calls.append(
-                    (kernel, {**dict(zip(kernel.arg_names, arguments)), **options})
-                )
-
-        return Launcher()
-
-
 def taken_for_written(kernel, arguments) -> list[str]:
-    # torch ≥ 2.12 reports reads and writes; earlier versions only the mutated names.
+    # torch 2.13 reports reads and writes; 2.11 (the GPU machine's) only the names it takes for mutated.
     if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
         accesses = triton_kernel_wrap.identify_accessed_tensors(kernel, arguments, {})
         return [dependency.name for dependency in accesses.read_writes.writes]
@@ -61,8 +43,6 @@ def main():
     if device == "cpu":
         fused_attention.triton.runtime.driver.set_active(H100Target())
     batch, heads, length, head_dim = 2, 2, 20, 16
-    launches = RecordedLaunches()
-    torch.library.wrap_triton = launches
     print(f"torch {torch.__version__}, triton {fused_attention.triton.__version__}")
     for call in ("grid", "packed", "packed-rotary"):
         lengths = starts = cos = sin = None
@@ -79,14 +59,14 @@ def main():
             query, key, value = (x.unflatten(-1, (heads, head_dim)).transpose(1, 2) for x in projected.chunk(3, -1))
         seed = torch.tensor([1], device=device)
         options = (length, 0.25, 0.1, 3, 16)
-        launches.calls.clear()
-        out, out32, lse, _, _ = torch.ops.knowgpt.causal_attention_forward(
-            query, key, value, seed, lengths, starts, cos, sin, None, *options
-        )
-        torch.ops.knowgpt.causal_attention_backward(
-            out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, None, *options
-        )
-        for kernel, arguments in launches.calls:
+        with fused_attention.recorded_launches() as launches:
+            out, out32, lse, _, _ = torch.ops.knowgpt.causal_attention_forward(
+                query, key, value, seed, lengths, starts, cos, sin, None, *options
+            )
+            torch.ops.knowgpt.causal_attention_backward(
+                out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, None, *options
+            )
+        for kernel, arguments in launches:
             print(
                 f"{call:<14}{kernel.fn.__name__:<18}taken for written: {', '.join(taken_for_written(kernel, arguments))}"
             )

@@ -29,6 +29,7 @@ power of two ≥ 16; `supports_fused_attention` says whether a call qualifies. I
 device (or Triton's interpreter).
 """
 
+import contextlib
 import os
 
 import torch
@@ -365,6 +366,10 @@ if triton is not None:
             KEY_TABLE=key_table, HAS_BIAS=bias is not None, INTERPRETED=_interpreted(),
             num_warps=NUM_WARPS.get(block, 4),
         )  # fmt: skip
+        if _recording is not None:  # `recorded_launches`: what the kernel would be handed, by argument name
+            return lambda *arguments: _recording.append(
+                (kernel, {**dict(zip(kernel.arg_names, (*arguments, heads, length))), **options})
+            )
         launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
         return lambda *arguments: launcher(*arguments, heads, length, **options)
 
@@ -578,6 +583,21 @@ def fused_causal_attention(
         float(scale), float(dropout_p), int(splits), int(block_size),
     )  # fmt: skip
     return out
+
+
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Record the kernels' launches instead of running them, for tests and diagnostics (Triton needed, no
+    GPU): a list of (kernel, {argument name: value}) pairs, the constexpr options included."""
+    global _recording
+    _recording = []
+    try:
+        yield _recording
+    finally:
+        _recording = None
 
 
 def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, length: int, dropout_p: float):

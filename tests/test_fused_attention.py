@@ -241,21 +241,12 @@ def test_keys_by_position_with_a_bias(block_size, packed):
     fused_attention.triton is None, reason="Triton is not installed (CPU builds of torch come without it)"
 )
 @pytest.mark.parametrize("call", ["grid", "packed", "packed-rotary", "grid-key-table-bias"])
-def test_no_written_kernel_argument_shares_memory_with_another(call, monkeypatch):
+def test_no_written_kernel_argument_shares_memory_with_another(call):
     """torch.compile replaces each kernel argument it takes for written by a copy made before the launch
     and rebinds that argument's tensor to it, one argument after another: a tensor passed as two arguments
     may end up bound to the copy the kernel never wrote (how the perceiver's compiled latent blocks once
     trained on stale gradients). So each written argument must be memory of its own. The launches are
     recorded, not run: this needs Triton but no GPU."""
-    launches = []
-
-    def record(kernel):
-        def launch(*arguments, **options):
-            launches.append((kernel.fn.__name__, dict(zip(kernel.arg_names, arguments))))
-
-        return _Launcher(launch)
-
-    monkeypatch.setattr(torch.library, "wrap_triton", record)
     batch, heads, length, head_dim = 2, 2, 20, 16
     lengths = starts = rotary = bias = None
     seq_len = length
@@ -272,18 +263,20 @@ def test_no_written_kernel_argument_shares_memory_with_another(call, monkeypatch
     cos, sin = rotary if rotary is not None else (None, None)
     seed = torch.tensor([1])
     options = (seq_len, 0.25, 0.1, 3, 16)
-    out, out32, lse, rotated_query, rotated_key = torch.ops.knowgpt.causal_attention_forward(
-        query, key, value, seed, lengths, starts, cos, sin, bias, *options
-    )
-    torch.ops.knowgpt.causal_attention_backward(
-        out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options
-    )
+    with fused_attention.recorded_launches() as launches:
+        out, out32, lse, rotated_query, rotated_key = torch.ops.knowgpt.causal_attention_forward(
+            query, key, value, seed, lengths, starts, cos, sin, bias, *options
+        )
+        torch.ops.knowgpt.causal_attention_backward(
+            out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options
+        )
     written = {
         "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
         "_backward_kernel": ["GRAD_Q", "GRAD_K", "GRAD_V"] + (["GRAD_BIAS"] if bias is not None else []),
     }
-    assert [name for name, _ in launches] == ["_forward_kernel", "_backward_kernel"]
-    for name, arguments in launches:
+    assert [kernel.fn.__name__ for kernel, _ in launches] == ["_forward_kernel", "_backward_kernel"]
+    for kernel, arguments in launches:
+        name = kernel.fn.__name__
         tensors = {argument: value for argument, value in arguments.items() if isinstance(value, torch.Tensor)}
         for output in written[name]:
             storage = tensors[output].untyped_storage().data_ptr()
@@ -293,16 +286,6 @@ def test_no_written_kernel_argument_shares_memory_with_another(call, monkeypatch
                 if other != output and value.untyped_storage().data_ptr() == storage
             ]
             assert not sharing, f"{name}: {output} shares memory with {sharing}"
-
-
-class _Launcher:
-    """What `wrap_triton(kernel)[grid]` returns, recording instead of launching."""
-
-    def __init__(self, launch):
-        self.launch = launch
-
-    def __getitem__(self, grid):
-        return self.launch
 
 
 @needs_kernel
