@@ -86,7 +86,7 @@ def sdpa_fp32_with_bias(bias):
 def recipe_lengths(data_dir, batch, length):
     """Lengths of the recipe's first batch of corrupted documents (as the training step sees them)."""
     from data_loaders import encode_documents, read_corpus
-    from hf_knowgpt.training import PretrainingData
+    from hf_knowgpt.training_data import PretrainingData
     from hf_knowgpt.workflows import corpus_tokenizer
 
     corpus = Path(data_dir) / "wiki.txt"

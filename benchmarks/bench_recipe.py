@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_loaders import (  # noqa: E402
     encode_birthplace_examples,
     encode_documents,
-    load_birthplaces,
+    read_birthplaces,
     read_corpus,
     synthetic_corpus_files,
 )
@@ -42,13 +42,10 @@ from hf_knowgpt.fused_attention import fused_attention_available  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
 from hf_knowgpt.qa import predict_birthplaces  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.training import (  # noqa: E402
-    FinetuningData,
-    KnowGPTTrainer,
-    PretrainingData,
-    make_accelerator,
-)
-from hf_knowgpt.workflows import corpus_tokenizer, stage_training_arguments  # noqa: E402
+from hf_knowgpt.run_config import resolve_run_config  # noqa: E402
+from hf_knowgpt.training import KnowGPTTrainer, make_accelerator  # noqa: E402
+from hf_knowgpt.training_data import FinetuningData, PretrainingData  # noqa: E402
+from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED
 
@@ -94,34 +91,39 @@ def run_case(
     logging.disable(logging.WARNING)
     tokenizer = corpus_tokenizer(files["corpus"])
     documents = read_corpus(files["corpus"])
-    config = KnowGPTConfig(
-        vocab_size=len(tokenizer),
-        attention_type=attention_type,
-        unk_token_id=tokenizer.unk_token_id,
-        attention_kernel_dtype=kernel_dtype,
-        **HANDOUT.model,
-    )
-    block = config.block_size
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     AcceleratorState._reset_state(True)  # each case gets its own precision
     pretrain_epochs = HANDOUT.pretrain.max_epochs if full else epochs
-    args = stage_training_arguments(
-        HANDOUT.pretrain,
-        workdir / f"{attention_type}-{path}-pretrain",
-        len(documents),
-        block,
-        dict(
-            max_epochs=pretrain_epochs,
-            training_path=path.removesuffix("-compile").partition("-groups")[0],
-            compile=path.endswith("-compile"),
-            length_groups=int(path.partition("-groups")[2]) if "-groups" in path else None,
-            seed=seed,
-            overwrite_output_dir=True,
-            log_every=50 if full else 10**9,
-            time_epochs=True,
-            fused_attention=attention_kernel == "triton",
-        ),
+    training_path = path.removesuffix("-compile").partition("-groups")[0]
+    given = {
+        "model.attention_type": attention_type,
+        "model.attention_kernel_dtype": kernel_dtype,
+        "pretrain.max_epochs": pretrain_epochs,
+        "pretrain.training_path": training_path,
+        "pretrain.compile": path.endswith("-compile"),
+        "pretrain.log_every": 50 if full else 10**9,
+        # finetuning: 80 steps would not repay a compilation
+        "finetune.training_path": training_path,
+        "finetune.log_every": 10**9,
+        "run.seed": seed,
+        "run.overwrite_output_dir": True,
+        "run.fused_attention": attention_kernel == "triton",
+    }
+    if "-groups" in path:
+        given["pretrain.length_groups"] = int(path.partition("-groups")[2])
+    run = resolve_run_config(
+        HANDOUT,
+        given,
+        stages=("pretrain", "finetune"),
+        output_dirs={
+            "pretrain": workdir / f"{attention_type}-{path}-pretrain",
+            "finetune": workdir / f"{attention_type}-{path}-finetune",
+        },
+        corpus_documents=len(documents),
     )
+    config = KnowGPTConfig(vocab_size=len(tokenizer), unk_token_id=tokenizer.unk_token_id, **run.model)
+    block = config.block_size
+    args = run.pretrain
     accelerator = make_accelerator(args)
     torch.manual_seed(seed)
     model = KnowGPTForCausalLM(config)
@@ -157,31 +159,21 @@ def run_case(
     row["mfu"] = flops / (peak * 1e12) if peak else None
     if full:
         model = accelerator.unwrap_model(trainer.model)
-        records = load_birthplaces(train=files["train"])["train"]
-        input_ids, labels = encode_birthplace_examples(tokenizer, records["question"], records["answer"], block)
-        finetune_args = stage_training_arguments(
-            HANDOUT.finetune_pretrained,
-            workdir / f"{attention_type}-{path}-finetune",
-            len(documents),
-            block,
-            dict(
-                training_path=path.removesuffix("-compile"),  # 80 steps: compiling would not pay for itself
-                fused_attention=attention_kernel == "triton",
-                seed=seed,
-                overwrite_output_dir=True,
-                log_every=10**9,
-            ),
-        )
+        records = read_birthplaces(files["train"])
+        questions, answers = [r.question for r in records], [r.answer for r in records]
+        input_ids, labels = encode_birthplace_examples(tokenizer, questions, answers, block)
+        finetune_args = run.finetune
         _, finetune_result = train(model, FinetuningData(input_ids, labels), finetune_args, accelerator)
-        dev = load_birthplaces(dev=files["dev"])["dev"]
+        dev = read_birthplaces(files["dev"])
+        dev_questions, dev_answers = [r.question for r in dev], [r.answer for r in dev]
         model.eval()
-        predict_birthplaces(model, tokenizer, dev["question"][:64])  # warm the decoding kernels
+        predict_birthplaces(model, tokenizer, dev_questions[:64])  # warm the decoding kernels
         if accelerator.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        predictions = predict_birthplaces(model, tokenizer, dev["question"])
+        predictions = predict_birthplaces(model, tokenizer, dev_questions)
         eval_seconds = time.perf_counter() - start
-        correct = sum(p.answer == gold for p, gold in zip(predictions, dev["answer"]))
+        correct = sum(p.answer == gold for p, gold in zip(predictions, dev_answers))
         row.update(
             pretrain_s=result.train_seconds,
             finetune_s=finetune_result.train_seconds,

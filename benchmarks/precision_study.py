@@ -42,8 +42,10 @@ from data_loaders import encode_documents, read_corpus  # noqa: E402
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention, modeling_knowgpt  # noqa: E402
 from hf_knowgpt.model_card import describe_device  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, make_accelerator  # noqa: E402
-from hf_knowgpt.workflows import corpus_tokenizer, stage_training_arguments  # noqa: E402
+from hf_knowgpt.run_config import resolve_run_config  # noqa: E402
+from hf_knowgpt.training import KnowGPTTrainer, make_accelerator  # noqa: E402
+from hf_knowgpt.training_data import PretrainingData  # noqa: E402
+from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
 
 SETTINGS = (
     "fp32",
@@ -120,21 +122,18 @@ def run_setting(setting, corpus, steps, seed, compile_model, workdir):
     os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if setting == "fp32" else "bf16"
     AcceleratorState._reset_state(True)
     on_gpu = torch.cuda.is_available()
-    args = stage_training_arguments(
-        HANDOUT.pretrain,
-        workdir / setting,
-        len(documents),
-        block,
-        dict(
-            training_path="graphed" if on_gpu and setting != "bf16-eager" else "eager",
-            fused_attention=False,  # each setting names its attention kernel
-            compile=compile_model and on_gpu,
-            stop_after_steps=steps,
-            seed=seed,
-            overwrite_output_dir=True,
-            log_every=50,
-        ),
-    )
+    given = {
+        "pretrain.training_path": "graphed" if on_gpu and setting != "bf16-eager" else "eager",
+        "pretrain.fused_attention": False,  # each setting names its attention kernel
+        "pretrain.compile": compile_model and on_gpu,
+        "pretrain.stop_after_steps": steps,
+        "pretrain.seed": seed,
+        "pretrain.overwrite_output_dir": True,
+        "pretrain.log_every": 50,
+    }
+    args = resolve_run_config(
+        HANDOUT, given, output_dirs={"pretrain": workdir / setting}, corpus_documents=len(documents)
+    ).pretrain
     accelerator = make_accelerator(args)
     torch.manual_seed(seed)
     model = KnowGPTForCausalLM(config)

@@ -35,7 +35,9 @@ from hf_knowgpt import modeling_knowgpt as modeling  # noqa: E402
 from hf_knowgpt.fast_path import GraphedStepper  # noqa: E402
 from hf_knowgpt.modeling_knowgpt import KnowGPTSelfAttention  # noqa: E402
 from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.training import KnowGPTTrainer, PretrainingData, TrainingArguments, make_accelerator  # noqa: E402
+from hf_knowgpt.training import KnowGPTTrainer, make_accelerator  # noqa: E402
+from hf_knowgpt.training_args import TrainingArguments  # noqa: E402
+from hf_knowgpt.training_data import PretrainingData  # noqa: E402
 from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
 
 LIBRARY_BLOCK_SIZE = fused_attention.BLOCK_SIZE

@@ -1,37 +1,39 @@
 #!/usr/bin/env python
-"""Reproduce the README's results table on a GPU: every handout variant and the knowledge recipe, over seeds.
+"""Reproduce the README's results table: every row is the README's one command (`scripts/train.py`),
+run as a user runs it, once per seed.
 
-    python benchmarks/reproduce.py --data_dir ../shared/data --variants vanilla-nopretrain,vanilla,rope,synthesizer,perceiver,knowledge --seeds 0,1,2
+    python benchmarks/reproduce.py --data_dir ../shared/data --mixed_precision bf16 --torch_compile \\
+        --variants vanilla-nopretrain,vanilla,rope,synthesizer,perceiver,knowledge --seeds 0,1,2
 
-For each variant and seed: pretrain (the handouts' recipe, or the knowledge recipe) → finetune (the
-handouts' recipe only: the knowledge recipe's pretrained model answers as it is) → answer the dev
-questions (scored once, with the handouts' exact match) and the test inputs (predictions written, no
-labels exist). `vanilla-nopretrain` finetunes from scratch, as the handouts' baseline does. Variant
-options for ablations: `knowledge+min_trunc=4+finetune=handout+max_epochs=650+n_embd=512+dropout=0`, and
-`+attention_kernel_dtype=float16` (with ACCELERATE_MIXED_PRECISION=bf16).
+A variant is a base and options. Bases: `vanilla-nopretrain` (the handouts' finetuning from scratch),
+`vanilla`, `rope`, `synthesizer`, `perceiver` (the handouts' recipe with that attention) and `knowledge`
+(`--recipe knowledge`). Each option `+name=value` adds `--name value` to the command, `+name=on` adds
+`--name` and `+name=off` adds `--no_name`: `knowledge+n_embd=512+pretrain_max_epochs=500`,
+`knowledge+do_finetune=on+finetune_recipe=handout`. So every row is a command a user can type, printed
+before it runs; its whole wall time (interpreter, imports, compilation, training, evaluation) is recorded.
 
---heldout N is for choosing hyperparameters: the last N lines of the training questions are held out, the
-rest are used for training (mixing and finetuning), and the held-out questions are scored instead of dev
-(for a finetuned variant, its pretrained checkpoint too: `pretrained_accuracy`).
---curve_every E finetunes (where the recipe does) and scores checkpoints every E pretraining epochs (seed 0): accuracy against
-pretraining epochs. Results go to --results (JSON); checkpoints, cards and predictions to --output_dir.
-A table is printed last.
+--heldout N is for choosing hyperparameters: the last N training questions are held out (scored instead of
+dev), the rest are the training questions; no test predictions. A finetuned variant's pretrained checkpoint
+is scored too (`pretrained_accuracy`, through scripts/evaluate.py). --curve_every E saves a checkpoint
+every E pretraining epochs (seed 0) and scores each one (finetuned first when the variant finetunes), all
+through the scripts: accuracy against pretraining epochs. Results go to --results (JSON); checkpoints and
+predictions to --output_dir. A table is printed last.
 """
 
 import argparse
 import json
+import os
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hf_knowgpt import workflows  # noqa: E402
-from hf_knowgpt.model_card import describe_device  # noqa: E402
-from hf_knowgpt.recipes import get_recipe  # noqa: E402
-from hf_knowgpt.training import list_checkpoints  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO_ROOT / "scripts"
+sys.path.insert(0, str(REPO_ROOT))
 
 # Exact match on birth_dev.tsv reported by the handouts and public solutions (the issue's anchors).
 ANCHORS = {
@@ -43,13 +45,13 @@ ANCHORS = {
     "perceiver": "5.0%",
     "knowledge": "goal ≥ 60%",
 }
-REQUIRED = {
-    "vanilla-nopretrain": (None, 5.0),
-    "vanilla": (20.0, None),
-    "rope": (33.0, None),
-    "synthesizer": (9.0, None),
-    "perceiver": (5.0, None),
-    "knowledge": (60.0, None),
+BASES = {
+    "vanilla-nopretrain": ["--recipe", "handout", "--attention_type", "vanilla", "--no_do_pretrain"],
+    **{
+        name: ["--recipe", "handout", "--attention_type", name]
+        for name in ("vanilla", "rope", "synthesizer", "perceiver")
+    },
+    "knowledge": ["--recipe", "knowledge"],
 }
 
 
@@ -62,118 +64,136 @@ def split_train(train_path: Path, heldout: int, directory: Path):
     return kept, held
 
 
-MODEL_OPTIONS = ("n_layer", "n_head", "n_embd")
-
-
-def parse_variant(variant: str):
-    """`knowledge+n_embd=512+max_epochs=1000+dropout=0+min_trunc=4+finetune=handout`: a base variant and
-    overrides (for the ablations)."""
+def variant_flags(variant: str) -> list[str]:
+    """`knowledge+n_embd=512+mixed_training=off` → the train.py flags of that variant."""
     base, *options = variant.split("+")
-    model, training, data, finetune = {}, {}, {}, {}
+    if base not in BASES:
+        raise ValueError(f"unknown variant base {base!r} in {variant!r}; choose from {sorted(BASES)}")
+    flags = list(BASES[base])
     for option in options:
-        key, value = option.split("=", 1)
-        if key == "finetune":  # finetune=handout: the handouts' finetuning after any pretraining
-            finetune["finetune"] = get_recipe(value).name
-        elif key == "min_trunc":
-            data["min_truncation_length"] = int(value)
-        elif key == "dropout":
-            model.update(embd_pdrop=float(value), resid_pdrop=float(value), attn_pdrop=float(value))
-        elif key == "attention_kernel_dtype":  # float32, float16 or bfloat16 (the workflows ignore a None override)
-            model[key] = value
-        elif key in MODEL_OPTIONS:
-            model[key] = int(value)
-        elif key == "max_epochs":
-            training[key] = int(value)
-        elif key == "learning_rate":
-            training[key] = float(value)
+        name, separator, value = option.partition("=")
+        if not separator:
+            raise ValueError(f"variant option {option!r} in {variant!r} is not name=value")
+        if value == "on":
+            flags.append(f"--{name}")
+        elif value == "off":
+            flags.append(f"--no_{name}")
         else:
-            raise ValueError(f"unknown variant option {key!r} in {variant!r}")
-    return base, model, training, data, finetune
+            flags += [f"--{name}", value]
+    return flags
 
 
-def run_one(variant, seed, files, output_dir, training, curve_every):
-    base, model_overrides, training_options, data_options, finetune_options = parse_variant(variant)
-    common = {**training, "seed": seed, "overwrite_output_dir": True, "log_every": 50}
+def launcher(mixed_precision: str, num_processes: int = 1) -> list[str]:
+    """`accelerate launch` with every value it would otherwise warn about given."""
+    accelerate = shutil.which("accelerate")
+    command = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
+    command += ["--num_processes", str(num_processes), "--num_machines", "1"]
+    command += ["--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
+    if num_processes > 1:
+        command.append("--multi_gpu")
+    return command
+
+
+def train_command(variant, seed, files, output_dir, extra_flags=(), launch=()) -> list[str]:
+    """The README's one command for one row: `accelerate launch ... scripts/train.py <variant flags>`."""
+    command = [*launch, str(SCRIPTS / "train.py"), *variant_flags(variant), "--seed", str(seed)]
+    for flag, path in (
+        ("--pretrain_corpus_path", files["corpus"]),
+        ("--train_corpus_path", files["train"]),
+        ("--eval_corpus_path", files["eval"]),
+        ("--test_corpus_path", files.get("test")),
+    ):
+        if path is not None:
+            command += [flag, str(path)]
+    return command + ["--output_dir", str(output_dir), *extra_flags]
+
+
+def run_logged(command, log_path: Path) -> float:
+    """Run a command as a user would, its output echoed and kept; returns its wall time in seconds."""
+    print("+ " + shlex.join(command), flush=True)
+    started = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        for line in process.stdout:
+            log.write(line)
+            if "\r" not in line:  # progress bars stay in the log
+                sys.stdout.write(line)
+        process.wait()
+    seconds = time.perf_counter() - started
+    if process.returncode != 0:
+        raise RuntimeError(f"exit status {process.returncode}: {shlex.join(command)} (log: {log_path})")
+    return seconds
+
+
+def score(checkpoint, eval_path, root: Path, name: str) -> float:
+    """scripts/evaluate.py on a checkpoint; the accuracy in percent."""
+    outputs = root / f"{name}.predictions"
+    run_logged(
+        [sys.executable, str(SCRIPTS / "evaluate.py"), "--model_name_or_path", str(checkpoint),
+         "--eval_corpus_path", str(eval_path), "--outputs_path", str(outputs)],
+        root / f"{name}.log",
+    )  # fmt: skip
+    return 100.0 * json.loads(outputs.with_name(outputs.name + ".metrics.json").read_text())["accuracy"]
+
+
+def run_one(variant, seed, files, output_dir, extra_flags, launch, curve_every, heldout):
     root = output_dir / f"{variant}-seed{seed}"
-    timings, row = {}, {"variant": variant, "seed": seed}
-    start = time.perf_counter()
-    if base == "vanilla-nopretrain":
-        model, metrics = workflows.finetune(
-            root / "finetuned", finetune_corpus_path=files["train"], pretrain_corpus_path=files["corpus"],
-            attention_type="vanilla", model_overrides=model_overrides, training_overrides=common,
-        )  # fmt: skip
-        timings["finetune_s"] = metrics["train_seconds"]
-        answerer = root / "finetuned"
-    else:
-        recipe = "knowledge" if base == "knowledge" else "handout"
-        pretrain_overrides = {**common, **training_options}
-        if curve_every and seed == 0:
-            pretrain_overrides.update(checkpointing_steps=f"epochs:{curve_every}", save_total_limit=1000)
-        model, metrics = workflows.pretrain(
-            root / "pretrained",
-            attention_type=None if recipe == "knowledge" else base,
-            pretrain_corpus_path=files["corpus"],
-            mixed_training_corpus_path=files["train"] if recipe == "knowledge" else None,
-            recipe=recipe,
-            model_overrides=model_overrides,
-            training_overrides=pretrain_overrides,
-            **data_options,
-        )
-        timings["pretrain_s"] = metrics["train_seconds"]
-        timings["pretrain_warmup_s"] = metrics.get("warmup_seconds", 0.0)
-        row["final_pretrain_loss"] = metrics["final_loss"]
-        row["loss_curve"] = metrics["loss_curve"]
-        answerer, finetune_recipe = root / "pretrained", finetune_options.get("finetune", recipe)
-        timings["finetune_s"] = 0.0
-        if get_recipe(finetune_recipe).finetune_pretrained is not None:
-            answerer = root / "finetuned"
-            model, finetune_metrics = workflows.finetune(
-                answerer, model_name_or_path=root / "pretrained", finetune_corpus_path=files["train"],
-                recipe=finetune_recipe, training_overrides=common,
-            )  # fmt: skip
-            timings["finetune_s"] = finetune_metrics["train_seconds"]
-            if not files.get("test"):  # choosing hyperparameters: is the finetuning stage worth having?
-                pretrained = workflows.evaluate_birthplaces(root / "pretrained", eval_corpus_path=files["eval"])
-                row["pretrained_accuracy"] = 100.0 * pretrained["accuracy"]
-        if curve_every and seed == 0:
-            row["accuracy_by_epoch"] = accuracy_by_epoch(root, files, finetune_recipe, common)
-    start_eval = time.perf_counter()
-    scored = workflows.evaluate_birthplaces(
-        answerer, eval_corpus_path=files["eval"], outputs_path=root / "eval.predictions"
-    )
-    timings["eval_s"] = time.perf_counter() - start_eval
-    if files.get("test"):
-        workflows.evaluate_birthplaces(
-            answerer, eval_corpus_path=files["test"], outputs_path=root / "test.predictions"
-        )
-    row.update(
-        timings,
-        total_s=time.perf_counter() - start,
-        correct=scored["correct"],
-        total=scored["total"],
-        accuracy=100.0 * scored["accuracy"],
-        parameters=sum(p.numel() for p in model.parameters()),
-        attention_type=model.config.attention_type,
-        n_embd=model.config.n_embd,
-    )
+    shutil.rmtree(root, ignore_errors=True)  # a fresh folder: no --overwrite_output_dir in the command
+    root.mkdir(parents=True)
+    flags = list(extra_flags)
+    if curve_every and seed == 0:
+        flags += ["--checkpointing_steps", f"epochs:{curve_every}", "--save_total_limit", "1000"]
+    run_dir = root / "run"
+    command = train_command(variant, seed, files, run_dir, flags, launch)
+    wall = run_logged(command, root / "train.log")
+    results = json.loads((run_dir / "results.json").read_text())
+    config = results["config"]
+    stages = results["stages"]
+    row = {
+        "variant": variant,
+        "seed": seed,
+        "command": shlex.join(command),
+        "process_s": wall,
+        "pretrain_s": stages.get("pretrain", {}).get("train_seconds", 0.0),
+        "pretrain_warmup_s": stages.get("pretrain", {}).get("warmup_seconds", 0.0),
+        "finetune_s": stages.get("finetune", {}).get("train_seconds", 0.0),
+        "final_pretrain_loss": stages.get("pretrain", {}).get("final_loss"),
+        "correct": results["dev"]["correct"],
+        "total": results["dev"]["total"],
+        "accuracy": 100.0 * results["dev"]["accuracy"],
+        "eval_s": results["dev"]["seconds"],
+        "attention_type": config["model"]["attention_type"],
+        "n_embd": config["model"]["n_embd"],
+        "device": results["device"],
+    }
+    final = run_dir / ("finetuned" if "finetune" in stages else "pretrained")
+    row["parameters"] = json.loads((final / "knowgpt_card.json").read_text())["parameters"]
+    if heldout and "finetune" in stages and "pretrain" in stages:  # is the finetuning stage worth having?
+        row["pretrained_accuracy"] = score(run_dir / "pretrained", files["eval"], root, "pretrained")
+    if curve_every and seed == 0:
+        row["accuracy_by_epoch"] = accuracy_by_epoch(run_dir, files, root, "finetune" in stages, launch)
     return row
 
 
-def accuracy_by_epoch(root, files, recipe, common):
-    """Finetune (when the recipe does) every saved pretraining checkpoint and score it: accuracy against
-    pretraining epochs."""
+def accuracy_by_epoch(run_dir, files, root, finetunes: bool, launch):
+    """Score every saved pretraining checkpoint (finetuned first, through scripts/finetune.py, when the
+    variant finetunes): accuracy against pretraining epochs."""
+    from hf_knowgpt.checkpoints import list_checkpoints
+
     points = []
-    for checkpoint in list_checkpoints(root / "pretrained"):
+    for checkpoint in list_checkpoints(run_dir / "pretrained"):
         epoch = json.loads((checkpoint / "trainer_state.json").read_text())["epoch"]
         target = checkpoint
-        if get_recipe(recipe).finetune_pretrained is not None:
+        if finetunes:
             target = root / f"curve-{checkpoint.name}"
-            workflows.finetune(
-                target, model_name_or_path=checkpoint, finetune_corpus_path=files["train"], recipe=recipe,
-                training_overrides=common,
+            run_logged(
+                [*launch, str(SCRIPTS / "finetune.py"), "--model_name_or_path", str(checkpoint),
+                 "--finetune_corpus_path", str(files["train"]), "--output_dir", str(target)],
+                root / f"curve-{checkpoint.name}.log",
             )  # fmt: skip
-        scored = workflows.evaluate_birthplaces(target, eval_corpus_path=files["eval"])
-        points.append({"epoch": round(epoch), "accuracy": 100.0 * scored["accuracy"]})
+        points.append(
+            {"epoch": round(epoch), "accuracy": score(target, files["eval"], root, f"curve-{checkpoint.name}")}
+        )
     return points
 
 
@@ -184,9 +204,12 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--heldout", type=int, default=0, help="score the last N training questions, not dev")
     parser.add_argument("--curve_every", type=int, default=0, help="pretraining epochs between curve points (seed 0)")
-    parser.add_argument("--max_epochs", type=int, default=None, help="shorten pretraining (smoke tests)")
-    parser.add_argument("--training_path", default="auto", help="auto, graphed, eager or plain")
-    parser.add_argument("--torch_compile", action="store_true", help="compile the model inside the graphed step")
+    parser.add_argument(
+        "--mixed_precision", default="no", choices=["no", "bf16"], help="accelerate launch's precision"
+    )
+    parser.add_argument("--num_processes", type=int, default=1, help="accelerate launch's processes")
+    parser.add_argument("--torch_compile", action="store_true", help="pass --torch_compile to every command")
+    parser.add_argument("--flags", default="", help="more train.py flags for every command (quoted)")
     parser.add_argument("--output_dir", default="/tmp/knowgpt-reproduce")
     parser.add_argument("--results", default=None, help="JSON file for every run")
     args = parser.parse_args(argv)
@@ -198,39 +221,43 @@ def main(argv=None):
         files["test"] = None
     else:
         files["eval"], files["test"] = data_dir / "birth_dev.tsv", data_dir / "birth_test_inputs.tsv"
-    training = {"training_path": args.training_path, "compile": args.torch_compile}
-    if args.max_epochs:
-        training["max_epochs"] = args.max_epochs
+    extra_flags = shlex.split(args.flags) + (["--torch_compile"] if args.torch_compile else [])
+    launch = launcher(args.mixed_precision, args.num_processes)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
-    rows = []
+    rows, device = [], None
     for variant in args.variants.split(","):
         for seed in map(int, args.seeds.split(",")):
             try:
-                row = run_one(variant, seed, files, output_dir, training, args.curve_every)
+                row = run_one(variant, seed, files, output_dir, extra_flags, launch, args.curve_every, args.heldout)
             except Exception as error:  # record it and go on: one failed run must not cost the others
-                traceback.print_exc()
                 print(json.dumps({"variant": variant, "seed": seed, "error": repr(error)}), flush=True)
                 continue
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "loss_curve"}), flush=True)
+            device = row["device"]
+            print(json.dumps(row), flush=True)
             if args.results:
-                Path(args.results).write_text(
-                    json.dumps({"device": describe_device(), "heldout": args.heldout, "rows": rows}, indent=1)
-                )
+                summary = {"device": device, "heldout": args.heldout, "mixed_precision": args.mixed_precision,
+                           "rows": rows}  # fmt: skip
+                Path(args.results).write_text(json.dumps(summary, indent=1))
 
     scored_on = f"the last {args.heldout} training questions (held out)" if args.heldout else "birth_dev.tsv"
-    print(f"\n{describe_device()}; exact match on {scored_on}")
-    print(f"{'variant':<20}{'params':>11}{'seeds':>6}{'mean':>8}{'std':>6}{'per seed':>22}{'train s':>9}  anchor")
+    print(f"\n{device}; exact match on {scored_on}; whole commands ({' '.join(launch)} scripts/train.py ...)")
+    print(
+        f"{'variant':<26}{'params':>11}{'seeds':>6}{'mean':>8}{'std':>6}{'per seed':>22}{'train s':>9}{'process s':>11}  anchor"
+    )
     for variant in dict.fromkeys(r["variant"] for r in rows):
         group = [r for r in rows if r["variant"] == variant]
         accuracies = [r["accuracy"] for r in group]
         spread = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
-        seconds = statistics.mean(r.get("pretrain_s", 0) + r["finetune_s"] for r in group)
+        train = statistics.mean(r["pretrain_s"] + r["finetune_s"] for r in group)
+        process = statistics.mean(r["process_s"] for r in group)
         per_seed = " ".join(f"{a:.1f}" for a in accuracies)
         print(
-            f"{variant:<20}{group[0]['parameters']:>11,}{len(group):>6}{statistics.mean(accuracies):>7.1f}%"
-            f"{spread:>6.1f}{per_seed:>22}{seconds:>9.0f}  {ANCHORS.get(variant.split('+')[0], '')}"
+            f"{variant:<26}{group[0]['parameters']:>11}{len(group):>6}{statistics.mean(accuracies):>7.1f}%"
+            f"{spread:>6.1f}{per_seed:>22}{train:>9.0f}{process:>11.0f}  {ANCHORS.get(variant.split('+')[0], '')}"
         )
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,77 +4,59 @@ the synthetic biography corpus that is the embedded default.
     from data_loaders import load_corpus, load_birthplaces
     corpus = load_corpus("wiki.txt")                                   # DatasetDict: train / text
     questions = load_birthplaces(train="birth_places_train.tsv", dev="birth_dev.tsv")
+
+Names are imported from their modules on first use, so `import data_loaders` costs nothing and reading a
+file does not load torch or `datasets` (the scripts start in a second instead of several).
 """
 
-from .corpus import (
-    BirthplaceBuilder,
-    BirthplaceRecord,
-    CorpusBuilder,
-    load_birthplaces,
-    load_corpus,
-    parse_birthplaces,
-    read_birthplaces,
-    read_corpus,
-    split_documents,
-)
-from .cs224n import CharCorruptionDataset, NameDataset
-from .encoding import (
-    birthplace_transform,
-    collate_handout_pairs,
-    encode_birthplace_examples,
-    encode_documents,
-    encode_questions,
-    encode_texts,
-    handout_xy,
-    span_corruption_transform,
-)
-from .span_corruption import (
-    MASK_ID,
-    PAD_ID,
-    CorruptedBatch,
-    max_truncation_length,
-    pack_documents,
-    span_corrupt,
-)
-from .synthetic import (
-    DEFAULT_NUM_PEOPLE,
-    SyntheticFiles,
-    generate_people,
-    make_names,
-    synthetic_corpus_files,
-    write_synthetic_corpus,
-)
+import importlib
 
-__all__ = [
-    "BirthplaceBuilder",
-    "BirthplaceRecord",
-    "CharCorruptionDataset",
-    "CorpusBuilder",
-    "CorruptedBatch",
-    "DEFAULT_NUM_PEOPLE",
-    "MASK_ID",
-    "NameDataset",
-    "PAD_ID",
-    "SyntheticFiles",
-    "birthplace_transform",
-    "collate_handout_pairs",
-    "encode_birthplace_examples",
-    "encode_documents",
-    "encode_questions",
-    "encode_texts",
-    "generate_people",
-    "handout_xy",
-    "load_birthplaces",
-    "load_corpus",
-    "make_names",
-    "max_truncation_length",
-    "pack_documents",
-    "parse_birthplaces",
-    "read_birthplaces",
-    "read_corpus",
-    "span_corrupt",
-    "span_corruption_transform",
-    "split_documents",
-    "synthetic_corpus_files",
-    "write_synthetic_corpus",
-]
+_EXPORTS = {
+    "builders": ["BirthplaceBuilder", "CorpusBuilder", "load_birthplaces", "load_corpus"],
+    "corpus": [
+        "BirthplaceRecord",
+        "CS224N_FILE_NAMES",
+        "DataFiles",
+        "parse_birthplaces",
+        "read_birthplaces",
+        "read_corpus",
+        "split_documents",
+    ],
+    "cs224n": ["CharCorruptionDataset", "NameDataset"],
+    "encoding": [
+        "birthplace_transform",
+        "collate_handout_pairs",
+        "encode_birthplace_examples",
+        "encode_documents",
+        "encode_questions",
+        "encode_texts",
+        "handout_xy",
+        "span_corruption_transform",
+    ],
+    "span_corruption": ["MASK_ID", "PAD_ID", "CorruptedBatch", "pack_documents", "span_corrupt"],
+    "synthetic": [
+        "DEFAULT_NUM_PEOPLE",
+        "SyntheticFiles",
+        "generate_people",
+        "make_names",
+        "synthetic_corpus_files",
+        "write_synthetic_corpus",
+    ],
+    "truncation": ["MIN_DOCUMENT_LENGTH", "max_truncation_length"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_MODULE_OF])
+
+
+__all__ = sorted(_MODULE_OF)

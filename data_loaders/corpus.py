@@ -1,7 +1,4 @@
-"""Reading the CS224N files, and the 🤗 `datasets` builders over them.
-
-`datasets` ≥ 4 no longer runs loading scripts through `load_dataset`, so the builders are imported and
-prepared directly behind `load_corpus` / `load_birthplaces`, which return a `DatasetDict`.
+"""Reading the CS224N files (plain Python: no torch, no `datasets`; the builders in `builders.py` wrap these).
 
 Formats:
 - corpus: UTF-8 text, one document per line (`wiki.txt`); blank lines and documents shorter than
@@ -15,9 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
-
-from .span_corruption import MIN_DOCUMENT_LENGTH
+from .truncation import MIN_DOCUMENT_LENGTH
 
 logger = logging.getLogger(__name__)
 
@@ -98,102 +93,63 @@ def read_birthplaces(path) -> list[BirthplaceRecord]:
     return parse_birthplaces(_read_text(path), source=str(path))
 
 
-def _single_paths(data_files) -> dict[str, str]:
-    resolved = {}
-    for split, paths in data_files.items():
-        paths = list(paths) if not isinstance(paths, (str, Path)) else [paths]
-        if len(paths) != 1:
-            raise ValueError(f"split {split!r} needs exactly one file, got {paths}")
-        resolved[split] = str(paths[0])
-    return resolved
+# The CS224N files by role, as `--data_dir` finds them.
+CS224N_FILE_NAMES = {
+    "corpus": "wiki.txt",
+    "train": "birth_places_train.tsv",
+    "dev": "birth_dev.tsv",
+    "test": "birth_test_inputs.tsv",
+}
 
 
-class CorpusBuilder(datasets.GeneratorBasedBuilder):
-    """A text corpus, one document per line → column `text`."""
+@dataclass
+class DataFiles:
+    """The files of a run, by role: the pretraining corpus, the training questions (finetuning and mixed
+    training), the dev questions (scored after training) and the test questions (answered, not scored)."""
 
-    VERSION = datasets.Version("1.0.0")
+    corpus: Path | None = None
+    train: Path | None = None
+    dev: Path | None = None
+    test: Path | None = None
 
-    def _info(self):
-        return datasets.DatasetInfo(
-            description="Pretraining corpus, one document per line (the CS224N wiki.txt format).",
-            features=datasets.Features({"text": datasets.Value("string")}),
-        )
+    @classmethod
+    def from_data_dir(cls, data_dir) -> "DataFiles":
+        """The four CS224N files of a folder (`wiki.txt`, `birth_places_train.tsv`, `birth_dev.tsv`,
+        `birth_test_inputs.tsv`); a missing one is named."""
+        data_dir = Path(data_dir)
+        if not data_dir.is_dir():
+            raise FileNotFoundError(f"data folder not found: {data_dir}")
+        paths = {role: data_dir / name for role, name in CS224N_FILE_NAMES.items()}
+        missing = [str(path) for path in paths.values() if not path.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{data_dir} lacks {', '.join(missing)} (--data_dir expects the CS224N files "
+                f"{', '.join(CS224N_FILE_NAMES.values())}; give other files with their own flags)"
+            )
+        return cls(**paths)
 
-    def _split_generators(self, dl_manager):
-        return [
-            datasets.SplitGenerator(name=split, gen_kwargs={"path": path})
-            for split, path in _single_paths(self.config.data_files).items()
-        ]
+    @classmethod
+    def synthetic(cls, num_people: int | None = None) -> "DataFiles":
+        from .synthetic import DEFAULT_NUM_PEOPLE, synthetic_corpus_files
 
-    def _generate_examples(self, path):
-        for index, document in enumerate(read_corpus(path)):
-            yield index, {"text": document}
+        files = synthetic_corpus_files(num_people or DEFAULT_NUM_PEOPLE)
+        return cls(files.corpus, files.train, files.dev, files.test)
 
+    def replaced(self, **paths) -> "DataFiles":
+        """These files with the given roles replaced (None leaves a role as it is)."""
+        values = {role: getattr(self, role) for role in CS224N_FILE_NAMES}
+        values.update({role: Path(path) for role, path in paths.items() if path is not None})
+        return DataFiles(**values)
 
-class BirthplaceBuilder(datasets.GeneratorBasedBuilder):
-    """Birthplace questions → columns `question`, `name`, `answer` (None for the questions-only test file)."""
-
-    VERSION = datasets.Version("1.0.0")
-
-    def _info(self):
-        return datasets.DatasetInfo(
-            description="'Where was <name> born?' TAB '<place>' (CS224N birth_places_*.tsv format).",
-            features=datasets.Features(
-                {
-                    "question": datasets.Value("string"),
-                    "name": datasets.Value("string"),
-                    "answer": datasets.Value("string"),
-                }
-            ),
-        )
-
-    def _split_generators(self, dl_manager):
-        return [
-            datasets.SplitGenerator(name=split, gen_kwargs={"path": path})
-            for split, path in _single_paths(self.config.data_files).items()
-        ]
-
-    def _generate_examples(self, path):
-        for index, record in enumerate(read_birthplaces(path)):
-            yield index, {"question": record.question, "name": record.name, "answer": record.answer}
-
-
-def _prepare(builder_class, data_files: dict, cache_dir=None) -> datasets.DatasetDict:
-    files = {}
-    for split, path in data_files.items():
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"file not found: {path}")
-        files[split] = str(path.resolve())
-    builder = builder_class(data_files=files, cache_dir=cache_dir)
-    try:
-        builder.download_and_prepare()
-    except datasets.exceptions.DatasetGenerationError as error:
-        # datasets wraps what _generate_examples raised; the original names the file and line.
-        if isinstance(error.__cause__, ValueError):
-            raise error.__cause__ from None
-        raise
-    return builder.as_dataset()
-
-
-def load_corpus(path, split: str = "train", cache_dir=None) -> datasets.DatasetDict:
-    """`wiki.txt` (or any one-document-per-line file) as a DatasetDict with one split of column `text`."""
-    return _prepare(CorpusBuilder, {split: path}, cache_dir)
-
-
-def load_birthplaces(cache_dir=None, **splits) -> datasets.DatasetDict:
-    """Birthplace TSVs as a DatasetDict, one split per keyword: `load_birthplaces(train=..., dev=..., test=...)`."""
-    if not splits:
-        raise ValueError("load_birthplaces needs at least one split, e.g. train='birth_places_train.tsv'")
-    return _prepare(BirthplaceBuilder, splits, cache_dir)
+    @property
+    def is_synthetic(self) -> bool:
+        return self.corpus is not None and "synthetic-" in str(self.corpus)
 
 
 __all__ = [
-    "BirthplaceBuilder",
     "BirthplaceRecord",
-    "CorpusBuilder",
-    "load_birthplaces",
-    "load_corpus",
+    "CS224N_FILE_NAMES",
+    "DataFiles",
     "parse_birthplaces",
     "read_birthplaces",
     "read_corpus",

@@ -19,13 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .truncation import MIN_DOCUMENT_LENGTH, check_min_truncation_length, max_truncation_length
+
 PAD_ID = 0  # "□" in every KnowGPT vocabulary
 MASK_ID = 1  # "⁇"
-MIN_DOCUMENT_LENGTH = 4
-
-
-def max_truncation_length(block_size: int) -> int:
-    return (7 * block_size) // 8
 
 
 @dataclass
@@ -59,16 +56,6 @@ def draw_uniforms(n_docs: int, generator: torch.Generator | None = None, device=
     """The three uniforms per document that decide its corruption (drawn where the generator lives)."""
     device = generator.device if generator is not None else device
     return torch.rand(n_docs, 3, generator=generator, device=device, dtype=torch.float64)
-
-
-def check_min_truncation_length(min_truncation_length: int, block_size: int) -> int:
-    max_length = max_truncation_length(block_size)
-    if not MIN_DOCUMENT_LENGTH <= min_truncation_length <= max_length:
-        raise ValueError(
-            f"min_truncation_length must lie in {MIN_DOCUMENT_LENGTH}..{max_length} (⌊7·block_size/8⌋ for "
-            f"block_size {block_size}), got {min_truncation_length}"
-        )
-    return min_truncation_length
 
 
 def corruption_plan(

@@ -1,45 +1,41 @@
 """hf_knowgpt: the CS224N knowledge-access GPT as a Hugging Face model and tokenizer.
 
-Importing the package registers the config, the models and the tokenizer with the Auto classes; a
-saved checkpoint also carries this code (auto_map), so `trust_remote_code=True` loads it without
-the package.
+Importing the package registers the config, the models, the tokenizer and the "birthplace-qa" pipeline
+with transformers' Auto classes; a saved checkpoint also carries this code (auto_map), so
+`trust_remote_code=True` loads it without the package. Nothing heavy is imported here: names load from
+their modules on first use, and each registration runs when the transformers module it extends is first
+imported (`hf_knowgpt.auto_registration`), so `import hf_knowgpt` takes milliseconds.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
-from transformers.pipelines import PIPELINE_REGISTRY
+import importlib
 
-from .configuration_knowgpt import ATTENTION_TYPES, KnowGPTConfig
-from .modeling_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTPreTrainedModel
-from .pipeline_birthplace_qa import BirthplaceQAPipeline
-from .tokenization_knowgpt import MASK_CHAR, PAD_CHAR, UNK_CHAR, KnowGPTTokenizerFast
+from . import auto_registration
 
 __version__ = "0.1.0"
 
-AutoConfig.register(KnowGPTConfig.model_type, KnowGPTConfig, exist_ok=True)
-AutoModel.register(KnowGPTConfig, KnowGPTModel, exist_ok=True)
-AutoModelForCausalLM.register(KnowGPTConfig, KnowGPTForCausalLM, exist_ok=True)
-AutoTokenizer.register(KnowGPTConfig, fast_tokenizer_class=KnowGPTTokenizerFast, exist_ok=True)
+_EXPORTS = {
+    "options": ["ATTENTION_TYPES"],
+    "configuration_knowgpt": ["KnowGPTConfig"],
+    "modeling_knowgpt": ["KnowGPTForCausalLM", "KnowGPTModel", "KnowGPTPreTrainedModel"],
+    "pipeline_birthplace_qa": ["BirthplaceQAPipeline"],
+    "tokenization_knowgpt": ["MASK_CHAR", "PAD_CHAR", "UNK_CHAR", "KnowGPTTokenizerFast"],
+    "auto_registration": ["register_auto_classes"],
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-# Saved checkpoints get the modeling code beside the weights and an auto_map pointing at it.
-KnowGPTConfig.register_for_auto_class()
-KnowGPTModel.register_for_auto_class("AutoModel")
-KnowGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-KnowGPTTokenizerFast.register_for_auto_class("AutoTokenizer")
 
-if "birthplace-qa" not in PIPELINE_REGISTRY.get_supported_tasks():
-    PIPELINE_REGISTRY.register_pipeline(
-        "birthplace-qa", pipeline_class=BirthplaceQAPipeline, pt_model=AutoModelForCausalLM, type="text"
-    )
+def __getattr__(name):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
-__all__ = [
-    "ATTENTION_TYPES",
-    "BirthplaceQAPipeline",
-    "KnowGPTConfig",
-    "KnowGPTModel",
-    "KnowGPTForCausalLM",
-    "KnowGPTPreTrainedModel",
-    "KnowGPTTokenizerFast",
-    "PAD_CHAR",
-    "MASK_CHAR",
-    "UNK_CHAR",
-]
+
+def __dir__():
+    return sorted([*globals(), *_MODULE_OF])
+
+
+auto_registration.install()
+
+__all__ = sorted(_MODULE_OF)

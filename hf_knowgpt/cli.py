@@ -1,110 +1,291 @@
-"""Command-line flags shared by the scripts; each one defaults to the selected --recipe (the handouts')."""
+"""Command-line flags shared by the scripts, and how they become a run's settings.
+
+Every tuning flag defaults to `argparse.SUPPRESS`: a flag the user did not type is absent from the parsed
+namespace, so it can never override the recipe. Flags that set a value carry its qualified name as their
+`dest` (`model.n_embd`, `pretrain.max_epochs`, `run.seed`, ...), and `given_settings` hands exactly those
+to `run_config.resolve_run_config`. Booleans come in pairs (`--shuffle` / `--no_shuffle`).
+
+This module imports nothing heavy, so `--help` answers at once.
+"""
 
 import argparse
+import os
 
-from .configuration_knowgpt import ATTENTION_TYPES
+from .options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, TRAINING_PATHS
 from .recipes import RECIPES
 
-
-def add_model_arguments(parser: argparse.ArgumentParser):
-    group = parser.add_argument_group("model (defaults: the recipe's)")
-    group.add_argument(
-        "--attention_type", choices=ATTENTION_TYPES, default=None, help="attention variant (default: the recipe's)"
-    )
-    group.add_argument("--n_layer", type=int, default=None, help="transformer blocks (handout: 4)")
-    group.add_argument("--n_head", type=int, default=None, help="attention heads (handout: 8)")
-    group.add_argument("--n_embd", type=int, default=None, help="width (handout: 256)")
-    group.add_argument("--block_size", type=int, default=None, help="positions per example (handout: 128)")
-    group.add_argument("--bottleneck_dim", type=int, default=None, help="perceiver latent positions (default 32)")
-    group.add_argument("--rope_theta", type=float, default=None, help="RoPE base (default 10000)")
-    for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
-        group.add_argument(f"--{name}", type=float, default=None, help=f"dropout {name} (handout: 0.1)")
+SECTIONS = ("model", "data", "run", "pretrain", "finetune")
+# Fields that differ between pretraining and finetuning: train.py (both stages) has a flag per stage.
+STAGE_FIELDS = ("max_epochs", "batch_size", "learning_rate", "final_tokens", "shuffle")
 
 
-def model_overrides(args) -> dict:
-    names = "n_layer n_head n_embd block_size bottleneck_dim rope_theta embd_pdrop resid_pdrop attn_pdrop".split()
-    return {name: getattr(args, name) for name in names}
+class BooleanFlag(argparse.Action):
+    """`--name` sets True, `--no_name` sets False; neither leaves the value to the recipe."""
+
+    def __init__(self, option_strings, dest, default=argparse.SUPPRESS, help=None, **kwargs):
+        strings = []
+        for option in option_strings:
+            strings += [option, "--no_" + option[2:]]
+        super().__init__(strings, dest, nargs=0, default=default, help=help, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no_"))
+
+    def format_usage(self):
+        return " | ".join(self.option_strings)
 
 
-def add_training_arguments(parser: argparse.ArgumentParser):
+def _value(group, *names, dest, help, **kwargs):
+    """A flag that sets the field `dest` (a qualified name) when given, and is absent otherwise."""
+    if "choices" not in kwargs:
+        kwargs["metavar"] = names[0][2:].upper()
+    group.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=help, **kwargs)
+
+
+def add_recipe_argument(parser):
     parser.add_argument(
-        "--recipe", choices=sorted(RECIPES), default="handout", help="preset of sizes and hyperparameters"
+        "--recipe",
+        choices=sorted(RECIPES),
+        default="handout",
+        help="preset of sizes and hyperparameters; every other flag defaults to it (default: handout)",
     )
-    parser.add_argument("--output_dir", default=None, help="where the checkpoint is saved")
-    parser.add_argument("--seed", type=int, default=0, help="seed for init, dropout and span corruption")
-    group = parser.add_argument_group("training (defaults: the recipe's)")
-    group.add_argument("--max_epochs", type=int, default=None, help="epochs")
-    group.add_argument("--batch_size", type=int, default=None, help="global batch size (split across processes)")
-    group.add_argument("--learning_rate", type=float, default=None, help="peak learning rate")
-    group.add_argument("--weight_decay", type=float, default=None, help="AdamW weight decay on all but biases (0.1)")
-    group.add_argument("--grad_norm_clip", type=float, default=None, help="gradient norm clipping (1.0)")
-    group.add_argument("--warmup_tokens", type=int, default=None, help="linear warmup tokens (512·20)")
-    group.add_argument("--final_tokens", type=int, default=None, help="tokens at which the cosine reaches 10%%")
-    group.add_argument("--shuffle", action="store_true", help="shuffle examples each epoch (the handouts do not)")
-    group.add_argument("--no_packing", action="store_true", help="compute padding positions too (slower, same loss)")
-    group.add_argument(
-        "--length_groups",
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, attention_type_flag: bool = True):
+    group = parser.add_argument_group("model (defaults: the recipe's)")
+    if attention_type_flag:
+        _value(
+            group, "--attention_type", dest="model.attention_type", choices=ATTENTION_TYPES, help="attention variant"
+        )
+    _value(group, "--n_layer", dest="model.n_layer", type=int, help="transformer blocks (handout: 4)")
+    _value(group, "--n_head", dest="model.n_head", type=int, help="attention heads (handout: 8)")
+    _value(group, "--n_embd", dest="model.n_embd", type=int, help="width (handout: 256)")
+    _value(group, "--block_size", dest="model.block_size", type=int, help="positions per example (handout: 128)")
+    _value(group, "--bottleneck_dim", dest="model.bottleneck_dim", type=int, help="perceiver latent positions (32)")
+    _value(group, "--rope_theta", dest="model.rope_theta", type=float, help="RoPE base (10000)")
+    for name in ("embd_pdrop", "resid_pdrop", "attn_pdrop"):
+        _value(group, f"--{name}", dest=f"model.{name}", type=float, help=f"dropout {name} (handout: 0.1)")
+    _value(
+        group,
+        "--attention_kernel_dtype",
+        dest="model.attention_kernel_dtype",
+        choices=[d for d in ATTENTION_KERNEL_DTYPES if d],
+        help="precision of the attention kernel under bf16/fp16 autocast (float32)",
+    )
+
+
+def add_data_arguments(parser: argparse.ArgumentParser):
+    group = parser.add_argument_group("data (defaults: the recipe's)")
+    _value(
+        group,
+        "--min_truncation_length",
+        dest="data.min_truncation_length",
         type=int,
-        default=None,
+        help="shortest document prefix a pretraining example reads (handout: 4; knowledge recipe: 112)",
+    )
+    group.add_argument(
+        "--mixed_training",
+        dest="data.mixed_training",
+        action=BooleanFlag,
+        help="mix the training questions into every pretraining epoch (knowledge recipe: on)",
+    )
+
+
+def add_stage_arguments(group, stage: str, prefix: str = ""):
+    """The flags of the fields in STAGE_FIELDS for one stage; `prefix` names the stage in train.py."""
+    flag = f"--{prefix}"
+    epochs_names = [f"{flag}max_epochs"] if prefix else ["--num_train_epochs", "--max_epochs"]
+    _value(group, *epochs_names, dest=f"{stage}.max_epochs", type=int, help=f"{stage} epochs")
+    _value(
+        group, f"{flag}batch_size", dest=f"{stage}.batch_size", type=int,
+        help=f"{stage} global batch size, split across processes",
+    )  # fmt: skip
+    lr_names = [f"{flag}learning_rate"] + ([f"--{prefix[:-1]}_lr"] if prefix else [])
+    _value(group, *lr_names, dest=f"{stage}.learning_rate", type=float, help=f"{stage} peak learning rate")
+    _value(
+        group, f"{flag}final_tokens", dest=f"{stage}.final_tokens", type=int,
+        help=f"{stage}: tokens at which the cosine reaches 10%% of the peak",
+    )  # fmt: skip
+    group.add_argument(
+        f"{flag}shuffle",
+        dest=f"{stage}.shuffle",
+        action=BooleanFlag,
+        help=f"{stage}: shuffle the examples every epoch (the handouts do not; knowledge pretraining does)",
+    )
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
+    """Training flags: for one stage (`pretrain.py`, `finetune.py`), or for both (`stage=None`: train.py,
+    where the STAGE_FIELDS take a `--pretrain_` or `--finetune_` prefix and the rest apply to both)."""
+    group = parser.add_argument_group("training (defaults: the recipe's)")
+    section = stage or "run"
+    if stage:
+        add_stage_arguments(group, stage)
+    else:
+        for each in ("pretrain", "finetune"):
+            add_stage_arguments(group, each, prefix=f"{each}_")
+    _value(group, "--seed", dest=f"{section}.seed", type=int, help="seed for init, dropout and span corruption (0)")
+    _value(
+        group, "--weight_decay", dest=f"{section}.weight_decay", type=float, help="AdamW decay on all but biases (0.1)"
+    )
+    _value(
+        group, "--max_grad_norm", "--grad_norm_clip", dest=f"{section}.grad_norm_clip", type=float,
+        help="gradient norm clipping (1.0)",
+    )  # fmt: skip
+    _value(group, "--warmup_tokens", dest=f"{section}.warmup_tokens", type=int, help="linear warmup tokens (512·20)")
+    group.add_argument(
+        "--packing", dest=f"{section}.packed", action=BooleanFlag,
+        help="compute only real positions (default on; --no_packing computes the padding too: slower, same loss)",
+    )  # fmt: skip
+    _value(
+        group, "--length_groups", dest=f"{section}.length_groups", type=int,
         help="eager path: run each batch as N length-sorted groups (default: up to 4 of ≥ 32 rows on CPU; 1 on GPU)",
-    )
+    )  # fmt: skip
+    _value(
+        group, "--training_path", dest=f"{section}.training_path", choices=TRAINING_PATHS,
+        help="auto (default): CUDA graphs of whole steps on GPUs, eager on CPU; plain: the handouts' DataLoader way",
+    )  # fmt: skip
     group.add_argument(
-        "--training_path",
-        choices=["auto", "graphed", "eager", "plain"],
-        default="auto",
-        help="auto: CUDA graphs of whole steps on GPUs (one process or several), eager on CPU; plain: the handouts' DataLoader way",
-    )
-    group.add_argument("--torch_compile", action="store_true", help="compile the model inside the graphed step")
-    group.add_argument("--log_every", type=int, default=50, help="steps between loss reports")
-    group.add_argument("--report_to", choices=["tensorboard"], default=None, help="log scalars to TensorBoard")
+        "--torch_compile", dest=f"{section}.compile", action=BooleanFlag,
+        help="compile the model inside the graphed step (faster steps; compilation is cached between runs)",
+    )  # fmt: skip
     group.add_argument(
-        "--checkpointing_steps", default=None, help="save a resumable checkpoint every N steps, 'epoch' or 'epochs:K'"
+        "--fused_attention", dest=f"{section}.fused_attention", action=BooleanFlag,
+        help="bf16 on a GPU: the fused Triton attention kernel (default on)",
+    )  # fmt: skip
+    _value(
+        group,
+        "--logging_steps",
+        "--log_every",
+        dest=f"{section}.log_every",
+        type=int,
+        help="steps between loss reports (50)",
     )
-    group.add_argument("--save_total_limit", type=int, default=2, help="checkpoints kept")
-    group.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint folder, or 'latest' in output_dir")
-    group.add_argument("--overwrite_output_dir", action="store_true", help="replace an output_dir holding another run")
-    group.add_argument("--num_people", type=int, default=None, help="size of the synthetic corpus used without paths")
+    _value(
+        group, "--report_to", dest=f"{section}.report_to", choices=["tensorboard"], help="log scalars to TensorBoard"
+    )
+    _value(
+        group, "--checkpointing_steps", dest=f"{section}.checkpointing_steps",
+        help="save a resumable checkpoint every N steps, 'epoch' or 'epochs:K'",
+    )  # fmt: skip
+    _value(group, "--save_total_limit", dest=f"{section}.save_total_limit", type=int, help="checkpoints kept (2)")
+    _value(
+        group, "--resume_from_checkpoint", dest=f"{section}.resume_from_checkpoint",
+        help="a checkpoint folder, or 'latest' in output_dir",
+    )  # fmt: skip
+    group.add_argument(
+        "--overwrite_output_dir", dest=f"{section}.overwrite_output_dir", action=BooleanFlag,
+        help="replace an output_dir holding another run",
+    )  # fmt: skip
+    parser.add_argument("--output_dir", default=None, help="where the checkpoint is saved")
+    parser.add_argument("--num_people", type=int, default=None, help="size of the synthetic corpus used without paths")
     hub = parser.add_argument_group("hub")
     hub.add_argument("--push_to_hub", action="store_true", help="upload the final checkpoint")
     hub.add_argument("--hub_model_id", default=None, help="repository id (default: the output folder's name)")
     hub.add_argument("--hub_token", default=None, help="token (default: the logged-in one)")
 
 
-def training_overrides(args) -> dict:
-    names = "max_epochs batch_size learning_rate weight_decay grad_norm_clip warmup_tokens final_tokens".split()
-    values = {name: getattr(args, name) for name in names}
-    values.update(
-        seed=args.seed,
-        shuffle=args.shuffle,
-        packed=not args.no_packing,
-        length_groups=args.length_groups,
-        training_path=args.training_path,
-        compile=args.torch_compile,
-        log_every=args.log_every,
-        report_to=args.report_to,
-        checkpointing_steps=args.checkpointing_steps,
-        save_total_limit=args.save_total_limit,
-        resume_from_checkpoint=args.resume_from_checkpoint,
-        overwrite_output_dir=args.overwrite_output_dir,
+def given_settings(args: argparse.Namespace) -> dict:
+    """The settings the user gave: the parsed flags whose dest is a qualified name (absent when not given)."""
+    return {name: value for name, value in vars(args).items() if name.split(".")[0] in SECTIONS and "." in name}
+
+
+def _files(args, **paths):
+    """The run's files: the flags' paths, the rest synthetic when no corpus is given (the embedded default)."""
+    from data_loaders.corpus import DataFiles
+
+    data_dir = getattr(args, "data_dir", None)
+    base = DataFiles.from_data_dir(data_dir) if data_dir else DataFiles()
+    files = base.replaced(**paths)
+    if files.corpus is None and not data_dir and not getattr(args, "model_name_or_path", None):
+        synthetic = DataFiles.synthetic(args.num_people)
+        files = synthetic.replaced(**paths)
+    return files
+
+
+def _refuse_model_flags_for_a_checkpoint(args, given):
+    model_flags = sorted(name.split(".", 1)[1] for name in given if name.startswith("model."))
+    if getattr(args, "model_name_or_path", None) and model_flags:
+        raise SystemExit(
+            f"error: --{', --'.join(model_flags)}: the model of --model_name_or_path {args.model_name_or_path} "
+            "is loaded with its own configuration; model flags apply only to a new model"
+        )
+
+
+def pretraining_plan(args):
+    """(RunConfig, DataFiles) of `scripts/pretrain.py`."""
+    from .run_config import plan_pretraining
+
+    given = given_settings(args)
+    files = _files(args, corpus=args.pretrain_corpus_path, train=args.mixed_training_corpus_path)
+    if args.output_dir is None:
+        args.output_dir = f"outputs/pretrain-{given.get('model.attention_type', args.recipe)}"
+    return plan_pretraining(args.recipe, given, files, args.output_dir), files
+
+
+def finetuning_plan(args):
+    """(RunConfig, DataFiles) of `scripts/finetune.py`."""
+    from .run_config import plan_finetuning
+
+    given = given_settings(args)
+    _refuse_model_flags_for_a_checkpoint(args, given)
+    files = _files(args, corpus=args.pretrain_corpus_path, train=args.finetune_corpus_path)
+    if files.train is None:  # a pretrained checkpoint and no questions given: the synthetic ones
+        from data_loaders.corpus import DataFiles
+
+        files = files.replaced(train=DataFiles.synthetic(args.num_people).train)
+    if args.output_dir is None:
+        kind = "pretrained" if args.model_name_or_path else f"scratch-{given.get('model.attention_type', args.recipe)}"
+        args.output_dir = f"outputs/finetune-{kind}"
+    config = plan_finetuning(
+        args.recipe, given, files, args.output_dir, args.model_name_or_path, getattr(args, "finetune_recipe", None)
     )
-    return values
+    return config, files
+
+
+def recipe_plan(args):
+    """(RunConfig, DataFiles) of `scripts/train.py`: the whole recipe."""
+    from .run_config import plan_recipe
+
+    given = given_settings(args)
+    files = _files(
+        args,
+        corpus=args.pretrain_corpus_path,
+        train=args.train_corpus_path,
+        dev=args.eval_corpus_path,
+        test=args.test_corpus_path,
+    )
+    if args.output_dir is None:
+        attention_type = given.get("model.attention_type", RECIPES[args.recipe].attention_type)
+        args.output_dir = f"outputs/{args.recipe}-{attention_type}"
+    config = plan_recipe(
+        args.recipe,
+        given,
+        files,
+        args.output_dir,
+        pretraining=args.do_pretrain,
+        finetuning=args.do_finetune,
+        finetune_recipe=args.finetune_recipe,
+    )
+    return config, files
+
+
+def is_main_process() -> bool:
+    """Before accelerate starts: the launcher's first process (or a plain run)."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def print_run_config(config):
+    if is_main_process():
+        print(config.describe(), flush=True)
+
+
+def hub_options(args) -> dict:
+    return {"push_to_hub": args.push_to_hub, "hub_model_id": args.hub_model_id, "hub_token": args.hub_token}
 
 
 def synthetic_size(args) -> dict:
     return {"num_people": args.num_people} if args.num_people else {}
-
-
-def workflow_arguments(args) -> dict:
-    """The keyword arguments that `workflows.pretrain` and `workflows.finetune` both take from the flags."""
-    return dict(
-        recipe=args.recipe,
-        model_overrides=model_overrides(args),
-        training_overrides=training_overrides(args),
-        push_to_hub=args.push_to_hub,
-        hub_model_id=args.hub_model_id,
-        hub_token=args.hub_token,
-        **synthetic_size(args),
-    )
 
 
 def run_training(function, *args, **kwargs):
@@ -117,7 +298,8 @@ def run_training(function, *args, **kwargs):
         print(f"{stopped}: resume with --resume_from_checkpoint latest")
         raise SystemExit(128 + stopped.signal_number) from None
     finally:  # several processes (accelerate launch): leave the process group as torch asks, not at exit
-        import torch.distributed
+        import sys
 
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -2,8 +2,7 @@
 
 from transformers import PretrainedConfig
 
-ATTENTION_TYPES = ("vanilla", "rope", "synthesizer", "perceiver")
-ATTENTION_KERNEL_DTYPES = ("float32", "float16", "bfloat16", None)
+from .options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES
 
 
 class KnowGPTConfig(PretrainedConfig):
@@ -128,5 +127,8 @@ class KnowGPTConfig(PretrainedConfig):
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+
+# Saved configs name their class in auto_map, so trust_remote_code loads them without this package.
+KnowGPTConfig.register_for_auto_class()
 
 __all__ = ["KnowGPTConfig", "ATTENTION_TYPES"]

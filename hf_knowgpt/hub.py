@@ -4,7 +4,7 @@ from pathlib import Path
 
 from huggingface_hub import HfApi
 
-from .training import CHECKPOINT_PREFIX, STAGING_PREFIX
+from .checkpoints import CHECKPOINT_PREFIX, STAGING_PREFIX
 
 
 def push_checkpoint(folder, repo_id: str, token: str | None = None, private: bool | None = None, commit_message=None):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .training import write_text_atomic
+from .checkpoints import write_text_atomic
 
 CARD_FACTS = "knowgpt_card.json"
 

@@ -29,7 +29,6 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_knowgpt import KnowGPTConfig
-from .fused_attention import fused_causal_attention, supports_fused_attention
 
 # transformers 5.2x renamed the cache field of model outputs and the forward keyword from
 # `past_key_values` to `cache`; the model accepts both and fills whichever the installed version has.
@@ -38,6 +37,20 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 def _with_cache(output_class, cache, **fields):
     return output_class(**fields, **{_CACHE_FIELD: cache})
+
+
+def supports_fused_attention(*args, **kwargs) -> bool:
+    """`fused_attention.supports_fused_attention`, imported on first use: Triton takes a second to import,
+    and only bf16 training on a GPU runs the fused kernel."""
+    from .fused_attention import supports_fused_attention
+
+    return supports_fused_attention(*args, **kwargs)
+
+
+def fused_causal_attention(*args, **kwargs):
+    from .fused_attention import fused_causal_attention
+
+    return fused_causal_attention(*args, **kwargs)
 
 
 class TokenGrid:
@@ -757,5 +770,9 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
         return F.cross_entropy(logits, targets, ignore_index=-100)
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / num_items_in_batch
 
+
+# Saved checkpoints get this code beside the weights and an auto_map pointing at it.
+KnowGPTModel.register_for_auto_class("AutoModel")
+KnowGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 __all__ = ["KnowGPTModel", "KnowGPTForCausalLM", "KnowGPTPreTrainedModel", "TokenGrid"]

@@ -15,7 +15,8 @@ import torch
 from data_loaders.encoding import encode_questions
 from data_loaders.span_corruption import MASK_ID, PAD_ID
 
-HANDOUT_MAX_NEW_TOKENS = 32
+from .options import HANDOUT_MAX_NEW_TOKENS
+
 QUESTION_TEMPLATE = "Where was {} born?"
 
 

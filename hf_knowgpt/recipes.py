@@ -1,12 +1,13 @@
 """Named presets of model size and training hyperparameters, selected with `--recipe` in the scripts.
 
-Every value can still be overridden by its own flag. `final_tokens` is written as a number of epochs of
-the *pretraining* corpus, as the handouts write it (`final_tokens = k · len(pretraining corpus) · block`).
+Every value can still be overridden by its own flag; `run_config.resolve_run_config` applies the flags a
+user gave, and only those. `final_tokens` is written as a number of epochs of the *pretraining* corpus,
+as the handouts write it (`final_tokens = k · len(pretraining corpus) · block`).
 """
 
 from dataclasses import dataclass, field
 
-from data_loaders.span_corruption import MIN_DOCUMENT_LENGTH
+from data_loaders.truncation import MIN_DOCUMENT_LENGTH
 
 
 @dataclass(frozen=True)

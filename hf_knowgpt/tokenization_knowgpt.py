@@ -52,4 +52,6 @@ class KnowGPTTokenizerFast(PreTrainedTokenizerFast):
         return {index: token for token, index in self.get_vocab().items()}
 
 
+KnowGPTTokenizerFast.register_for_auto_class("AutoTokenizer")
+
 __all__ = ["KnowGPTTokenizerFast", "PAD_CHAR", "MASK_CHAR", "UNK_CHAR"]

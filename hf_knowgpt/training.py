@@ -20,7 +20,6 @@ is normalized by the global number of trained targets, so the gradient equals th
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -32,310 +31,24 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 
-from data_loaders.span_corruption import (
-    MIN_DOCUMENT_LENGTH,
-    check_min_truncation_length,
-    corruption_plan,
-    draw_uniforms,
-    max_truncation_length,
-    span_corrupt,
+from .checkpoints import (
+    ACCELERATE_STATE,
+    CHECKPOINT_PREFIX,
+    STAGING_PREFIX,
+    TRAINER_STATE,
+    list_checkpoints,
+    validate_checkpoint,
+    write_json_atomic,
 )
-
-from .fused_attention import fused_attention_available
+from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
+from .optimization import handout_lr_multipliers, handout_parameter_groups, rows_per_step
+from .training_args import TrainingArguments
+from .training_data import TrainingBatch, packed_token_index
 
 logger = logging.getLogger(__name__)
 
-HANDOUT_WARMUP_TOKENS = 512 * 20
-CHECKPOINT_PREFIX = "checkpoint-"
-STAGING_PREFIX = ".staging-"
-TRAINER_STATE = "trainer_state.json"
-ACCELERATE_STATE = "accelerate_state"
 
-
-def handout_lr_multiplier(tokens: float, warmup_tokens: float, final_tokens: float) -> float:
-    """minGPT's schedule: linear warmup, then cosine decay with a floor at 10% of the peak."""
-    if tokens < warmup_tokens:
-        return tokens / max(1.0, warmup_tokens)
-    progress = (tokens - warmup_tokens) / max(1.0, final_tokens - warmup_tokens)
-    return max(0.1, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-def rows_per_step(num_examples: int, batch_size: int, epochs: int) -> list[int]:
-    """Examples in each optimizer step: full batches, then the remainder (no drop_last), every epoch."""
-    per_epoch = [batch_size] * (num_examples // batch_size)
-    if num_examples % batch_size:
-        per_epoch.append(num_examples % batch_size)
-    return per_epoch * epochs
-
-
-def handout_lr_multipliers(steps_rows, positions_per_example, warmup_tokens, final_tokens) -> list[float]:
-    """The multiplier in force at each step: the handout updates the rate *after* a step, so step 0 runs at 1."""
-    multipliers, tokens = [1.0], 0
-    for rows in steps_rows[:-1]:
-        tokens += rows * positions_per_example
-        multipliers.append(handout_lr_multiplier(tokens, warmup_tokens, final_tokens))
-    return multipliers
-
-
-def handout_parameter_groups(model: torch.nn.Module, weight_decay: float):
-    """Decay every parameter except biases, as the handout trainer's name filter ends up doing."""
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad:
-            (no_decay if "bias" in name else decay).append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-@dataclass
-class TrainingBatch:
-    input_ids: torch.Tensor  # (R, T)
-    labels: torch.Tensor  # (R, T), -100 where nothing is trained
-    lengths: torch.Tensor  # (R,) real characters of each row (the rest is right padding), on the host
-    trained_targets: torch.Tensor  # (R,) targets each row trains (labels[1:] != -100), on the host
-
-
-class PretrainingData:
-    """Span-corrupted documents, generated a batch at a time on the data's device."""
-
-    def __init__(
-        self,
-        documents: torch.Tensor,
-        lengths: torch.Tensor,
-        block_size: int,
-        min_truncation_length: int = MIN_DOCUMENT_LENGTH,
-    ):
-        self.documents, self.lengths, self.block_size = documents, lengths, block_size
-        self.min_truncation_length = check_min_truncation_length(min_truncation_length, block_size)
-        self.host_lengths = lengths.cpu()
-
-    @property
-    def num_examples(self) -> int:
-        return self.documents.shape[0]
-
-    @property
-    def static_length(self) -> int:
-        """The longest example there can be: ⌊7B/8⌋ + 2 characters (the rest of the block is always padding)."""
-        return min(self.block_size, max_truncation_length(self.block_size) + 2)
-
-    def to(self, device):
-        self.documents, self.lengths = self.documents.to(device), self.lengths.to(device)
-        return self
-
-    def plan(self, indices: torch.Tensor, generator: torch.Generator):
-        """Host side of a step: (example lengths, uniforms), drawn exactly as `batch` draws them."""
-        uniforms = draw_uniforms(len(indices), generator)
-        truncated, _, _ = corruption_plan(
-            self.host_lengths[indices], uniforms, self.block_size, self.min_truncation_length
-        )
-        return truncated + 2, uniforms
-
-    def trained_targets(self, indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Targets each example trains, from its `plan` length: every position after the first."""
-        return (lengths - 1).clamp(min=0)
-
-    def _corrupt(self, indices: torch.Tensor, uniforms: torch.Tensor | None):
-        return span_corrupt(
-            self.documents[indices],
-            self.lengths[indices],
-            self.block_size,
-            uniforms=uniforms,
-            min_truncation_length=self.min_truncation_length,
-        )
-
-    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
-        """(input_ids, labels) built on the device, for captured steps; without `uniforms` the randomness
-        comes from the device's default generator."""
-        corrupted = self._corrupt(indices, uniforms)
-        labels = corrupted.labels()[:, :seq_len].masked_fill(~valid[:, None], -100)
-        return corrupted.input_ids[:, :seq_len], labels
-
-    def batch(self, indices: torch.Tensor, generator: torch.Generator) -> TrainingBatch:
-        # The uniforms are drawn on the host, so the example lengths are known without waiting for the device.
-        lengths, uniforms = self.plan(indices, generator)
-        corrupted = self._corrupt(indices.to(self.documents.device), uniforms)
-        return TrainingBatch(corrupted.input_ids, corrupted.labels(), lengths, self.trained_targets(indices, lengths))
-
-
-class FinetuningData:
-    """Fixed `question⁇answer⁇` examples (see `data_loaders.encode_birthplace_examples`)."""
-
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        self.input_ids, self.labels = input_ids, labels
-        trained = labels.cpu() != -100
-        last_trained = torch.where(trained, torch.arange(labels.shape[1]), -1).max(dim=1).values
-        self.host_lengths = last_trained + 1
-        self.host_trained_targets = trained[:, 1:].sum(dim=1)
-
-    @property
-    def num_examples(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def static_length(self) -> int:
-        return int(self.host_lengths.max())
-
-    def to(self, device):
-        self.input_ids, self.labels = self.input_ids.to(device), self.labels.to(device)
-        return self
-
-    def plan(self, indices: torch.Tensor, generator: torch.Generator):
-        return self.host_lengths[indices], torch.zeros(len(indices), 3, dtype=torch.float64)
-
-    def trained_targets(self, indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.host_trained_targets[indices]
-
-    def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):
-        labels = self.labels[indices, :seq_len].masked_fill(~valid[:, None], -100)
-        return self.input_ids[indices, :seq_len], labels
-
-    def batch(self, indices: torch.Tensor, generator: torch.Generator) -> TrainingBatch:
-        device_indices = indices.to(self.input_ids.device)
-        return TrainingBatch(
-            self.input_ids[device_indices],
-            self.labels[device_indices],
-            self.host_lengths[indices],
-            self.trained_targets(indices, None),
-        )
-
-
-class MixedData:
-    """Pretraining documents and question–answer examples in one epoch ("mixed training", Allen-Zhu & Li,
-    Physics of Language Models 3.1): examples 0..D-1 are span-corrupted documents, D.. are questions."""
-
-    def __init__(self, documents: PretrainingData, questions: FinetuningData):
-        self.documents, self.questions = documents, questions
-        self.block_size = documents.block_size
-
-    @property
-    def num_examples(self) -> int:
-        return self.documents.num_examples + self.questions.num_examples
-
-    @property
-    def static_length(self) -> int:
-        return max(self.documents.static_length, self.questions.static_length)
-
-    def to(self, device):
-        self.documents.to(device), self.questions.to(device)
-        return self
-
-    def _split(self, indices):
-        is_document = indices < self.documents.num_examples
-        return (
-            is_document,
-            indices.clamp(max=self.documents.num_examples - 1),
-            (indices - self.documents.num_examples).clamp(min=0),
-        )
-
-    def plan(self, indices, generator):
-        is_document, document_rows, question_rows = self._split(indices)
-        document_lengths, uniforms = self.documents.plan(document_rows, generator)
-        lengths = torch.where(is_document, document_lengths, self.questions.host_lengths[question_rows])
-        return lengths, uniforms
-
-    def trained_targets(self, indices, lengths):
-        is_document, document_rows, question_rows = self._split(indices)
-        return torch.where(
-            is_document,
-            self.documents.trained_targets(document_rows, lengths),
-            self.questions.trained_targets(question_rows, lengths),
-        )
-
-    def batch(self, indices, generator) -> TrainingBatch:
-        is_document, document_rows, question_rows = self._split(indices)
-        documents = self.documents.batch(document_rows, generator)
-        questions = self.questions.batch(question_rows, generator)
-        rows = is_document.to(documents.input_ids.device)[:, None]
-        return TrainingBatch(
-            torch.where(rows, documents.input_ids, questions.input_ids),
-            torch.where(rows, documents.labels, questions.labels),
-            torch.where(is_document, documents.lengths, questions.lengths),
-            torch.where(is_document, documents.trained_targets, questions.trained_targets),
-        )
-
-    def device_batch(self, indices, valid, seq_len, uniforms=None):
-        is_document, document_rows, question_rows = self._split(indices)
-        document_ids, document_labels = self.documents.device_batch(document_rows, valid, seq_len, uniforms)
-        question_ids, question_labels = self.questions.device_batch(question_rows, valid, seq_len)
-        rows = is_document[:, None]
-        return torch.where(rows, document_ids, question_ids), torch.where(rows, document_labels, question_labels)
-
-
-def packed_size(count: int, multiple: int, limit: int) -> int:
-    """`count` tokens rounded up to a multiple of `multiple`, at most `limit` (the whole grid)."""
-    return min(-(-count // multiple) * multiple, limit)
-
-
-def packed_token_index(
-    lengths: torch.Tensor, seq_len: int, multiple: int = 1, size: int | None = None
-) -> torch.Tensor:
-    """Flat indices (b·T + t) of the positions t < lengths[b]; with `multiple`, extended by padding
-    positions (the earliest of each row first, which keeps each row a prefix) to a multiple of it, so
-    shapes repeat and compiled code is reused; with `size`, extended to exactly that many."""
-    positions = torch.arange(seq_len)
-    real = positions[None] < lengths[:, None]
-    count = int(lengths.clamp(max=seq_len).sum())
-    target = packed_size(count, multiple, real.numel()) if size is None else size
-    if not count <= target <= real.numel():
-        raise ValueError(f"size must lie between the {count} real tokens and the grid's {real.numel()}, got {target}")
-    if target > count:
-        padding_rank = (positions[None] - lengths[:, None]).masked_fill(real, real.numel())
-        order = (padding_rank * lengths.shape[0] + torch.arange(lengths.shape[0])[:, None]).flatten()
-        extra = order.argsort()[: target - count]
-        real = real.flatten().clone()
-        real[extra] = True
-    return real.flatten().nonzero().squeeze(1)
-
-
-@dataclass
-class TrainingArguments:
-    """Hyperparameters and bookkeeping of one run. Defaults are the handouts' pretraining recipe."""
-
-    output_dir: str
-    max_epochs: int = 650
-    batch_size: int = 128
-    learning_rate: float = 6e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.1
-    grad_norm_clip: float = 1.0
-    warmup_tokens: int = HANDOUT_WARMUP_TOKENS
-    final_tokens: int | None = None  # None: max_epochs · examples · block_size, the handout's pretraining value
-    shuffle: bool = False
-    seed: int = 0
-    packed: bool = True
-    pack_multiple: int = 1
-    # Eager path: rows sorted by length and run as this many gradient-accumulated groups, each only as wide
-    # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: up to 4 groups
-    # of ≥ 32 rows on CPU, 1 on GPU (where more, smaller kernels cost more than they save). Same gradient;
-    # dropout draws differ.
-    length_groups: int | None = None
-    training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
-    compile: bool = False  # torch.compile the model inside the graphed step
-    # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
-    # (attn_implementation "triton", hf_knowgpt.fused_attention) for the run, when Triton is installed.
-    fused_attention: bool = True
-    # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
-    # whole run): the first part of a long run, for studies of early training. None: run to the end.
-    stop_after_steps: int | None = None
-    time_epochs: bool = False  # record the time at every epoch end (benchmarks), without waiting for the device
-    log_every: int = 50
-    checkpointing_steps: str | None = None  # an integer, or "epoch"
-    save_total_limit: int = 2
-    resume_from_checkpoint: str | None = None
-    overwrite_output_dir: bool = False
-    report_to: str | None = None
-    run_name: str = "knowgpt"
-
-    def fingerprint(self) -> dict:
-        """What defines the run: a directory holding another fingerprint holds a different run."""
-        keep = (
-            "max_epochs batch_size learning_rate betas weight_decay grad_norm_clip warmup_tokens final_tokens "
-            "shuffle seed"
-        ).split()
-        values = asdict(self)
-        return {key: (list(values[key]) if isinstance(values[key], tuple) else values[key]) for key in keep}
-
-
-def make_accelerator(args: TrainingArguments, cpu: bool | None = None) -> Accelerator:
+def make_accelerator(args: TrainingArguments, cpu: bool | None = None, project_dir=None) -> Accelerator:
     """One global batch of `batch_size` is split across processes, as one device would see it.
 
     Without a GPU the processes of `accelerate launch --multi_gpu --num_processes N` (torchrun) train
@@ -343,47 +56,8 @@ def make_accelerator(args: TrainingArguments, cpu: bool | None = None) -> Accele
     """
     kwargs = {"cpu": cpu if cpu is not None else not torch.cuda.is_available()}
     if args.report_to:
-        kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
+        kwargs.update(log_with=args.report_to, project_dir=str(project_dir or args.output_dir))
     return Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True), **kwargs)
-
-
-def list_checkpoints(output_dir) -> list[Path]:
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return []
-    found = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
-
-
-def validate_checkpoint(path) -> dict:
-    """The trainer state of a complete checkpoint; a clear error naming the path and what is wrong."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    missing = [
-        name
-        for name in (TRAINER_STATE, "config.json", "model.safetensors", ACCELERATE_STATE)
-        if not (path / name).exists()
-    ]
-    if missing:
-        raise ValueError(f"checkpoint {path} is incomplete or corrupt: missing {', '.join(missing)}")
-    try:
-        state = json.loads((path / TRAINER_STATE).read_text())
-        return {"global_step": int(state["global_step"]), **state}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"checkpoint {path} is corrupt: {TRAINER_STATE} is unreadable ({error})") from error
-
-
-def write_text_atomic(path, text: str):
-    """Write a file beside its final name and rename it into place: a reader never sees half of it."""
-    path = Path(path)
-    staging = path.with_name(f"{STAGING_PREFIX}{path.name}.{os.getpid()}")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)
-
-
-def write_json_atomic(path, payload):
-    write_text_atomic(path, json.dumps(payload, indent=2, default=str) + "\n")
 
 
 class _StopRequested:
@@ -483,7 +157,7 @@ class TrainingResult:
     examples_per_second: float
     loss_curve: list = field(default_factory=list)
     interrupted: int = 0  # the signal that stopped the run, 0 when it ran to the end
-    epoch_seconds: list = field(default_factory=list)  # time since the start at each epoch end (time_epochs)
+    epoch_seconds: list = field(default_factory=list)  # seconds from the start (or resumption) to each epoch end
     warmup_seconds: float = 0.0  # graph capture and its warm-up steps, inside train_seconds
 
 
@@ -492,9 +166,16 @@ class KnowGPTTrainer:
     next to the weights of every checkpoint and of the final model."""
 
     def __init__(
-        self, model, data, args: TrainingArguments, accelerator: Accelerator | None = None, save_callback=None
+        self,
+        model,
+        data,
+        args: TrainingArguments,
+        accelerator: Accelerator | None = None,
+        save_callback=None,
+        run_record: dict | None = None,
     ):
         self.args = args
+        self.run_record = run_record  # the run's whole resolved configuration, kept in training_args.json
         self.accelerator = accelerator or make_accelerator(args)
         self.model = model
         self.data = data
@@ -532,9 +213,10 @@ class KnowGPTTrainer:
         output_dir.mkdir(parents=True, exist_ok=True)
         for leftover in output_dir.glob(f"{STAGING_PREFIX}*"):  # from an interrupted save
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
-        write_json_atomic(
-            output_dir / "training_args.json", {"fingerprint": args.fingerprint(), "arguments": asdict(args)}
-        )
+        record = {"fingerprint": args.fingerprint(), "arguments": asdict(args)}
+        if self.run_record is not None:
+            record["run_config"] = self.run_record
+        write_json_atomic(output_dir / "training_args.json", record)
 
     def _resume_step(self) -> int:
         source = self.args.resume_from_checkpoint
@@ -664,8 +346,6 @@ class KnowGPTTrainer:
         return optimizer
 
     def train(self) -> TrainingResult:
-        from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
-
         args, accelerator = self.args, self.accelerator
         # Each process its own dropout draws (seed + process index): with one seed, the processes' slices of a
         # batch would share their masks. One process: the seed itself.
@@ -681,6 +361,8 @@ class KnowGPTTrainer:
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
         elif device.type == "cuda":
+            from .fused_attention import fused_attention_available
+
             if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
                 unwrapped.set_attn_implementation("triton")
             torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
@@ -721,12 +403,12 @@ class KnowGPTTrainer:
                 if args.checkpointing_steps:
                     every = self._checkpoint_every()
                     boundary = min(boundary, (global_step // every + 1) * every)
-                if args.time_epochs:
-                    boundary = min(boundary, (global_step // self.steps_per_epoch + 1) * self.steps_per_epoch)
+                # every epoch end is marked (a CUDA event: no waiting), so runs report their epoch times
+                boundary = min(boundary, (global_step // self.steps_per_epoch + 1) * self.steps_per_epoch)
                 done = stepper.run(global_step, boundary - global_step, lambda: stop.signal is not None)
                 global_step += done
                 progress.update(done)
-                if args.time_epochs and global_step % self.steps_per_epoch == 0:
+                if global_step % self.steps_per_epoch == 0:
                     epoch_marks.append(timeline.mark())
                 if path == "graphed":  # the graph sets the rates; keep the host scheduler's count for checkpoints
                     getattr(scheduler, "scheduler", scheduler).last_epoch = global_step
@@ -821,21 +503,4 @@ def _progress_bar(total, initial, disable):
     return tqdm(total=total, initial=initial, disable=disable, desc="training", dynamic_ncols=True)
 
 
-__all__ = [
-    "FinetuningData",
-    "HANDOUT_WARMUP_TOKENS",
-    "KnowGPTTrainer",
-    "PretrainingData",
-    "TrainingArguments",
-    "TrainingBatch",
-    "TrainingResult",
-    "handout_lr_multiplier",
-    "handout_lr_multipliers",
-    "handout_parameter_groups",
-    "list_checkpoints",
-    "make_accelerator",
-    "packed_size",
-    "packed_token_index",
-    "rows_per_step",
-    "validate_checkpoint",
-]
+__all__ = ["KnowGPTTrainer", "TrainingResult", "make_accelerator"]

@@ -1,7 +1,10 @@
-"""Pretrain, finetune and evaluate: what the command-line scripts (and `scripts/run.py`) do, as functions.
+"""Pretrain, finetune and evaluate: what the command-line scripts do, as functions.
 
-With no corpus path, each stage uses the synthetic biography corpus (`data_loaders.synthetic_corpus_files`),
-so everything runs out of the box; with the CS224N files it runs the handouts' experiments.
+Each stage takes a resolved `RunConfig` (`hf_knowgpt.run_config`: the recipe's values and the flags the
+user gave) and a `DataFiles`. `run_recipe` runs a whole recipe in one process: pretraining → finetuning
+(when the recipe has it) → dev evaluation → test predictions. `pretrain` and `finetune` are the same
+stages for library users, resolved from plain keyword settings (`pretrain("out", attention_type="rope",
+max_epochs=3)`). With no corpus, everything runs on the synthetic biography corpus.
 """
 
 import json
@@ -9,38 +12,26 @@ import logging
 import os
 import shlex
 import sys
-from dataclasses import asdict
+import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from data_loaders import (
-    encode_birthplace_examples,
-    encode_documents,
-    load_birthplaces,
-    load_corpus,
-    synthetic_corpus_files,
-)
-from data_loaders.span_corruption import MIN_DOCUMENT_LENGTH, max_truncation_length
-from data_loaders.synthetic import DEFAULT_NUM_PEOPLE
+from data_loaders.corpus import DataFiles, read_birthplaces, read_corpus
+from data_loaders.encoding import encode_birthplace_examples, encode_documents
+from data_loaders.truncation import MIN_DOCUMENT_LENGTH
 
+from .checkpoints import list_checkpoints, write_json_atomic
 from .configuration_knowgpt import KnowGPTConfig
-from .model_card import add_evaluation_to_card, describe_device, read_card_facts, write_model_card
+from .evaluation import dataset_id, evaluate_birthplaces, london_baseline, scores_path
+from .model_card import describe_device, read_card_facts, write_model_card
 from .modeling_knowgpt import KnowGPTForCausalLM
-from .qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, load_metric, predict_birthplaces
-from .recipes import Recipe, StageRecipe, get_recipe
+from .run_config import RunConfig, plan_finetuning, plan_pretraining, qualify
 from .tokenization_knowgpt import KnowGPTTokenizerFast
-from .training import (
-    FinetuningData,
-    KnowGPTTrainer,
-    MixedData,
-    PretrainingData,
-    TrainingArguments,
-    make_accelerator,
-    write_text_atomic,
-)
+from .training import KnowGPTTrainer, make_accelerator
+from .training_data import FinetuningData, MixedData, PretrainingData
 
 logger = logging.getLogger(__name__)
 
@@ -77,44 +68,11 @@ def corpus_tokenizer(corpus_path) -> KnowGPTTokenizerFast:
     )
 
 
-def new_model(tokenizer, recipe: Recipe, attention_type=None, model_overrides=None, seed=None) -> KnowGPTForCausalLM:
-    """A freshly initialized model (seeded) with the recipe's sizes, overridden where given."""
-    values = {**recipe.model, **{k: v for k, v in (model_overrides or {}).items() if v is not None}}
-    config = KnowGPTConfig(
-        vocab_size=len(tokenizer),
-        attention_type=attention_type or recipe.attention_type,
-        unk_token_id=tokenizer.unk_token_id,
-        **values,
-    )
-    set_seed(seed or 0)  # the initial weights
+def new_model(tokenizer, model_settings: dict, seed: int = 0) -> KnowGPTForCausalLM:
+    """A freshly initialized model (seeded) of the resolved configuration."""
+    config = KnowGPTConfig(vocab_size=len(tokenizer), unk_token_id=tokenizer.unk_token_id, **model_settings)
+    set_seed(seed)  # the initial weights
     return KnowGPTForCausalLM(config)
-
-
-def default_data(num_people: int = DEFAULT_NUM_PEOPLE):
-    return synthetic_corpus_files(num_people)
-
-
-def _dataset_id(path) -> str:
-    return "synthetic-biographies" if "synthetic-" in str(path) else "cs224n-knowledge-access"
-
-
-def stage_training_arguments(stage: StageRecipe, output_dir, corpus_documents, block_size, overrides: dict):
-    """A recipe stage's `TrainingArguments`: its epochs, batch and learning rate, and the schedule's
-    final_tokens counted on the pretraining corpus (`corpus_documents` documents) as the handouts count
-    them; `overrides` (None values ignored) replace any field."""
-    final_tokens = (
-        None if stage.final_tokens_epochs is None else stage.final_tokens_epochs * corpus_documents * block_size
-    )
-    values = dict(
-        output_dir=str(output_dir),
-        max_epochs=stage.max_epochs,
-        batch_size=stage.batch_size,
-        learning_rate=stage.learning_rate,
-        final_tokens=final_tokens,
-        **stage.extra,
-    )
-    values.update({key: value for key, value in overrides.items() if value is not None})
-    return TrainingArguments(**values)
 
 
 def _card_facts(model, tokenizer, args, result, accelerator, data_description, dataset_id, extra) -> dict:
@@ -144,15 +102,16 @@ def _card_facts(model, tokenizer, args, result, accelerator, data_description, d
     }
 
 
-def _run(model, tokenizer, data, args, accelerator, card: dict, push_to_hub=False, hub_model_id=None, hub_token=None):
-    """Train, save every checkpoint and the final model with tokenizer and card; optionally push."""
+def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunConfig, hub: dict | None = None):
+    """Train one stage, save every checkpoint and the final model with tokenizer and card; optionally push.
+    Returns the trained (unwrapped) model and the stage's metrics."""
 
     def export(directory, unwrapped, result=None):
         tokenizer.save_pretrained(directory)
         facts = _card_facts(unwrapped, tokenizer, args, result, accelerator, **card)
         write_model_card(directory, facts)
 
-    trainer = KnowGPTTrainer(model, data, args, accelerator, save_callback=export)
+    trainer = KnowGPTTrainer(model, data, args, accelerator, save_callback=export, run_record=config.to_dict())
     result = trainer.train()
     metrics = {
         "global_step": result.global_step,
@@ -161,6 +120,7 @@ def _run(model, tokenizer, data, args, accelerator, card: dict, push_to_hub=Fals
         "train_seconds": result.train_seconds,
         "warmup_seconds": result.warmup_seconds,
         "examples_per_second": result.examples_per_second,
+        "epoch_seconds": result.epoch_seconds,
         "interrupted": result.interrupted,
         "device": describe_device(accelerator.device),
         "num_processes": accelerator.num_processes,
@@ -171,81 +131,148 @@ def _run(model, tokenizer, data, args, accelerator, card: dict, push_to_hub=Fals
         raise TrainingInterrupted(result.interrupted, result.global_step)
     trainer.save_callback = lambda directory, unwrapped: export(directory, unwrapped, result)
     trainer.save_final(metrics)
+    model = accelerator.unwrap_model(trainer.model)
+    accelerator.free_memory()  # the next stage prepares its own model, optimizer and scheduler
     if accelerator.is_main_process:
         accelerator.print(
             f"Saved {args.output_dir}: {result.global_step} steps, final loss {result.final_loss:.4f}, "
             f"{result.train_seconds:.1f} s on {describe_device(accelerator.device)}"
         )
-        if push_to_hub:
+        hub = hub or {}
+        if hub.get("push_to_hub"):
             from .hub import push_checkpoint
 
-            repo_id = hub_model_id or Path(args.output_dir).name
-            push_checkpoint(args.output_dir, repo_id, token=hub_token)
+            repo_id = hub.get("hub_model_id") or Path(args.output_dir).name
+            push_checkpoint(args.output_dir, repo_id, token=hub.get("hub_token"))
             accelerator.print(f"Pushed {args.output_dir} to the Hub as {repo_id}")
-    return accelerator.unwrap_model(trainer.model), metrics
+    return model, metrics
 
 
-def pretrain(
-    output_dir,
-    attention_type: str | None = None,
-    pretrain_corpus_path=None,
-    mixed_training_corpus_path=None,
-    recipe: str | Recipe = "handout",
-    model_overrides: dict | None = None,
-    training_overrides: dict | None = None,
-    num_people: int = DEFAULT_NUM_PEOPLE,
-    accelerator=None,
-    push_to_hub: bool = False,
-    hub_model_id: str | None = None,
-    hub_token: str | None = None,
-    command: str | None = None,
-    min_truncation_length: int | None = None,
+def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
+    records = read_birthplaces(path)
+    if any(record.answer is None for record in records):
+        raise ValueError(f"{path} has questions without places: training needs 'question TAB place' lines")
+    questions, answers = [r.question for r in records], [r.answer for r in records]
+    return FinetuningData(*encode_birthplace_examples(tokenizer, questions, answers, block_size, str(path)))
+
+
+def run_pretraining(
+    config: RunConfig, files: DataFiles, *, model=None, tokenizer=None, accelerator=None, hub=None, command=None
 ):
-    """Pretrain with span corruption on `pretrain_corpus_path` (default: the synthetic corpus); with mixed
-    training (the knowledge recipe), the questions of `mixed_training_corpus_path` join every epoch.
-    `min_truncation_length` (default: the recipe's) is the shortest prefix of a document an example reads."""
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    attention_type = attention_type or recipe.attention_type
-    corpus_path = Path(pretrain_corpus_path) if pretrain_corpus_path else default_data(num_people).corpus
-    if recipe.mixed_training and mixed_training_corpus_path is None:
-        if pretrain_corpus_path:
-            raise ValueError(
-                f"recipe {recipe.name!r} mixes question–answer examples into pretraining: "
-                "pass --mixed_training_corpus_path (the training questions, e.g. birth_places_train.tsv)"
-            )
-        mixed_training_corpus_path = default_data(num_people).train
-    documents = load_corpus(corpus_path)["train"]["text"]
-    tokenizer = corpus_tokenizer(corpus_path)
-    model = new_model(tokenizer, recipe, attention_type, model_overrides, (training_overrides or {}).get("seed"))
+    """The pretraining stage of a resolved run: span corruption on `files.corpus` (and, with mixed
+    training, the questions of `files.train` in every epoch). Returns (model, tokenizer, metrics)."""
+    args = config.pretrain
+    documents = read_corpus(files.corpus)
+    tokenizer = tokenizer or corpus_tokenizer(files.corpus)
+    model = model or new_model(tokenizer, config.model, args.seed)
     block_size = model.config.block_size
-    args = stage_training_arguments(recipe.pretrain, output_dir, len(documents), block_size, training_overrides or {})
     accelerator = accelerator or make_accelerator(args)
-    if min_truncation_length is None:  # the recipe's, within what a smaller --block_size can hold
-        min_truncation_length = min(recipe.min_truncation_length, max_truncation_length(block_size))
     data = PretrainingData(
-        *encode_documents(tokenizer, documents, block_size, str(corpus_path)), block_size, min_truncation_length
+        *encode_documents(tokenizer, documents, block_size, str(files.corpus)),
+        block_size,
+        config.min_truncation_length,
     )
-    data_description = f"span corruption on `{corpus_path.name}` ({len(documents)} documents)"
-    if min_truncation_length != MIN_DOCUMENT_LENGTH:
-        data_description += f", documents truncated to at least {min_truncation_length} characters"
-    if mixed_training_corpus_path:
-        questions = _birthplace_examples(tokenizer, mixed_training_corpus_path, block_size)
+    description = f"span corruption on `{Path(files.corpus).name}` ({len(documents)} documents)"
+    if config.min_truncation_length != MIN_DOCUMENT_LENGTH:
+        description += f", documents truncated to at least {config.min_truncation_length} characters"
+    if config.mixed_training:
+        questions = _birthplace_examples(tokenizer, files.train, block_size)
         data = MixedData(data, questions)
-        data_description += (
-            f", mixed with the {questions.num_examples} questions of `{Path(mixed_training_corpus_path).name}`"
-        )
+        description += f", mixed with the {questions.num_examples} questions of `{Path(files.train).name}`"
     card = dict(
-        data_description=data_description,
-        dataset_id=_dataset_id(corpus_path),
+        data_description=description,
+        dataset_id=dataset_id(files.corpus),
         extra={
             "stage": "pretrain",
             "stage_description": "Pretrained with span corruption (the handouts' objective); not finetuned.",
-            "recipe": recipe.name,
+            "recipe": config.recipe,
             "corpus_documents": len(documents),
             "commands": [command or command_line()],
         },
     )
-    return _run(model, tokenizer, data, args, accelerator, card, push_to_hub, hub_model_id, hub_token)
+    model, metrics = _train(model, tokenizer, data, args, accelerator, card, config, hub)
+    return model, tokenizer, metrics
+
+
+def run_finetuning(
+    config: RunConfig,
+    files: DataFiles,
+    *,
+    model=None,
+    tokenizer=None,
+    model_name_or_path=None,
+    accelerator=None,
+    hub=None,
+    command=None,
+):
+    """The finetuning stage of a resolved run, on the questions of `files.train`: from `model` (just
+    pretrained in this process), from `model_name_or_path`, or from scratch with the vocabulary of
+    `files.corpus`. Returns (model, tokenizer, metrics)."""
+    args = config.finetune
+    base_facts = (
+        read_card_facts(model_name_or_path) if model_name_or_path and Path(model_name_or_path).is_dir() else None
+    )
+    commands = list((base_facts or {}).get("commands", []))
+    if model is None and model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    if model is not None:
+        source = model_name_or_path or "the model pretrained before it"
+        description = f"Pretrained, then finetuned on `{Path(files.train).name}` from `{source}`."
+    else:
+        tokenizer = corpus_tokenizer(files.corpus)
+        model = new_model(tokenizer, config.model, args.seed)
+        description = (
+            f"Finetuned on `{Path(files.train).name}` from scratch (no pretraining), vocabulary of "
+            f"`{Path(files.corpus).name}`."
+        )
+    corpus_documents = len(read_corpus(files.corpus)) if files.corpus else (base_facts or {}).get("corpus_documents")
+    data = _birthplace_examples(tokenizer, files.train, model.config.block_size)
+    accelerator = accelerator or make_accelerator(args)
+    command = command or command_line()
+    card = dict(
+        data_description=f"`{Path(files.train).name}` ({data.num_examples} questions)",
+        dataset_id=dataset_id(files.train),
+        extra={
+            "stage": "finetune",
+            "stage_description": description,
+            "recipe": config.recipe,
+            "base_model": str(model_name_or_path) if model_name_or_path else None,
+            "corpus_documents": corpus_documents,
+            "commands": commands + [command] if command not in commands else commands,
+        },
+    )
+    model, metrics = _train(model, tokenizer, data, args, accelerator, card, config, hub)
+    return model, tokenizer, metrics
+
+
+def _synthetic_or(files: DataFiles | None, num_people) -> DataFiles:
+    return files if files is not None else DataFiles.synthetic(num_people)
+
+
+def pretrain(
+    output_dir,
+    recipe: str = "handout",
+    pretrain_corpus_path=None,
+    mixed_training_corpus_path=None,
+    num_people: int | None = None,
+    accelerator=None,
+    hub: dict | None = None,
+    command: str | None = None,
+    **settings,
+):
+    """Pretrain for library users: `settings` are plain field names (`attention_type="rope"`,
+    `max_epochs=3`, `min_truncation_length=112`), resolved over `recipe` exactly as the scripts' flags are.
+    Without a corpus path, the synthetic corpus (and its training questions, for mixed training).
+    Returns (model, metrics)."""
+    if pretrain_corpus_path is None:
+        files = DataFiles.synthetic(num_people)
+    else:
+        files = DataFiles(corpus=Path(pretrain_corpus_path))
+    files = files.replaced(train=mixed_training_corpus_path)
+    config = plan_pretraining(recipe, qualify(settings, "pretrain"), files, output_dir)
+    model, _, metrics = run_pretraining(config, files, accelerator=accelerator, hub=hub, command=command)
+    return model, metrics
 
 
 def finetune(
@@ -253,177 +280,105 @@ def finetune(
     model_name_or_path=None,
     finetune_corpus_path=None,
     pretrain_corpus_path=None,
-    attention_type: str | None = None,
-    recipe: str | Recipe = "handout",
-    model_overrides: dict | None = None,
-    training_overrides: dict | None = None,
-    num_people: int = DEFAULT_NUM_PEOPLE,
+    recipe: str = "handout",
+    finetune_recipe: str | None = None,
+    num_people: int | None = None,
     accelerator=None,
-    push_to_hub: bool = False,
-    hub_model_id: str | None = None,
-    hub_token: str | None = None,
+    hub: dict | None = None,
     command: str | None = None,
+    **settings,
 ):
-    """Finetune on birthplace questions, from `model_name_or_path` or (when None) from scratch."""
-    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
-    if model_name_or_path and recipe.finetune_pretrained is None:
-        raise ValueError(
-            f"recipe {recipe.name!r} has no finetuning stage: its pretrained checkpoint answers the questions "
-            f"as it is (evaluate {model_name_or_path} directly), or pass --recipe handout to finetune anyway"
-        )
-    synthetic = default_data(num_people)
-    finetune_path = Path(finetune_corpus_path) if finetune_corpus_path else synthetic.train
-    base_facts = (
-        read_card_facts(model_name_or_path) if model_name_or_path and Path(model_name_or_path).is_dir() else None
+    """Finetune for library users, from `model_name_or_path` or (when None) from scratch; `settings` as
+    for `pretrain`. Returns (model, metrics)."""
+    synthetic = DataFiles.synthetic(num_people) if finetune_corpus_path is None or not model_name_or_path else None
+    corpus = pretrain_corpus_path or (None if model_name_or_path else synthetic.corpus)
+    train = finetune_corpus_path or synthetic.train
+    files = DataFiles(corpus=Path(corpus) if corpus else None, train=Path(train))
+    config = plan_finetuning(
+        recipe, qualify(settings, "finetune"), files, output_dir, model_name_or_path, finetune_recipe
     )
-    if pretrain_corpus_path:
-        corpus_path = Path(pretrain_corpus_path)
-    elif model_name_or_path is None:
-        corpus_path = synthetic.corpus
-    else:
-        corpus_path = None
-    corpus_documents = len(load_corpus(corpus_path)["train"]) if corpus_path else None
-    if corpus_documents is None:
-        corpus_documents = (base_facts or {}).get("corpus_documents")
-        if corpus_documents is None:
-            raise ValueError(
-                f"{model_name_or_path} does not record its pretraining corpus size, which the handouts' schedule "
-                "needs (final_tokens = 200 · documents · block_size): pass --pretrain_corpus_path"
-            )
-
-    if model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-        stage = recipe.finetune_pretrained
-        commands = list((base_facts or {}).get("commands", []))
-        description = f"Pretrained, then finetuned on `{finetune_path.name}` from `{model_name_or_path}`."
-    else:
-        tokenizer = corpus_tokenizer(corpus_path)
-        model = new_model(tokenizer, recipe, attention_type, model_overrides, (training_overrides or {}).get("seed"))
-        stage = recipe.finetune_scratch
-        commands = []
-        description = (
-            f"Finetuned on `{finetune_path.name}` from scratch (no pretraining), vocabulary of `{corpus_path.name}`."
-        )
-    block_size = model.config.block_size
-    data = _birthplace_examples(tokenizer, finetune_path, block_size)
-    args = stage_training_arguments(stage, output_dir, corpus_documents, block_size, training_overrides or {})
-    accelerator = accelerator or make_accelerator(args)
-    card = dict(
-        data_description=f"`{finetune_path.name}` ({data.num_examples} questions)",
-        dataset_id=_dataset_id(finetune_path),
-        extra={
-            "stage": "finetune",
-            "stage_description": description,
-            "recipe": recipe.name,
-            "base_model": str(model_name_or_path) if model_name_or_path else None,
-            "corpus_documents": corpus_documents,
-            "commands": commands + [c for c in [command or command_line()] if c not in commands],
-        },
+    model, _, metrics = run_finetuning(
+        config, files, model_name_or_path=model_name_or_path, accelerator=accelerator, hub=hub, command=command
     )
-    return _run(model, tokenizer, data, args, accelerator, card, push_to_hub, hub_model_id, hub_token)
+    return model, metrics
 
 
-def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
-    records = load_birthplaces(train=path)["train"]
-    if any(answer is None for answer in records["answer"]):
-        raise ValueError(f"{path} has questions without places: training needs 'question TAB place' lines")
-    return FinetuningData(
-        *encode_birthplace_examples(tokenizer, records["question"], records["answer"], block_size, str(path))
-    )
+def _completed(stage_dir: Path) -> bool:
+    """A stage whose final model was saved (the last file written is config.json, after train_results.json)."""
+    return (stage_dir / "train_results.json").is_file() and (stage_dir / "config.json").is_file()
 
 
-def evaluate_birthplaces(
-    model_name_or_path,
-    eval_corpus_path=None,
-    outputs_path=None,
-    batch_size: int = 512,
-    max_new_tokens: int = HANDOUT_MAX_NEW_TOKENS,
-    write_scores: bool = False,
-    num_people: int = DEFAULT_NUM_PEOPLE,
-    device=None,
-    model=None,
-    tokenizer=None,
+def _resuming(args, stage_dir: Path):
+    """In a whole-recipe run, `--resume_from_checkpoint latest` applies to the stage that was interrupted: a
+    stage not yet begun starts afresh."""
+    if args.resume_from_checkpoint == "latest" and not list_checkpoints(stage_dir):
+        return replace(args, resume_from_checkpoint=None)
+    return args
+
+
+def run_recipe(
+    config: RunConfig,
+    files: DataFiles,
+    output_dir,
+    *,
+    accelerator=None,
+    hub: dict | None = None,
+    command: str | None = None,
+    eval_batch_size: int = 512,
 ) -> dict:
-    """Predict a birthplace for every question of `eval_corpus_path` (default: the synthetic dev set),
-    write one prediction per line to `outputs_path`, and score them when the file has gold places."""
-    eval_path = Path(eval_corpus_path) if eval_corpus_path else default_data(num_people).dev
-    device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = model or AutoModelForCausalLM.from_pretrained(model_name_or_path).to(device)
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_name_or_path)
-    records = load_birthplaces(eval=eval_path)["eval"]
-    predictions = predict_birthplaces(model, tokenizer, records["question"], batch_size, max_new_tokens)
-    result = {"eval_file": eval_path.name, "predictions_file": str(outputs_path) if outputs_path else None}
-    if outputs_path:
-        outputs_path = Path(outputs_path)
-        outputs_path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(outputs_path, "".join(p.answer + "\n" for p in predictions))
-        if write_scores:
-            scores = "".join(f"{p.score:.6g}\t{p.log_probability:.6f}\t{int(p.closed)}\n" for p in predictions)
-            write_text_atomic(scores_path(outputs_path), "score\tlog_probability\tclosed\n" + scores)
-    result["predictions"] = [p.answer for p in predictions]
-    result["scores"] = [p.score for p in predictions]
-    if all(answer is not None for answer in records["answer"]):
-        metric = load_metric().compute(predictions=result["predictions"], references=records["answer"])
-        result.update(metric)
-        result["message"] = format_accuracy(metric["correct"], metric["total"])
-        if outputs_path:
-            metrics_file = outputs_path.with_name(outputs_path.name + ".metrics.json")
-            write_text_atomic(
-                metrics_file,
-                json.dumps({k: result[k] for k in ("eval_file", "accuracy", "correct", "total")}, indent=2),
-            )
-        if model_name_or_path and Path(model_name_or_path).is_dir():
-            add_evaluation_to_card(
-                model_name_or_path,
-                {
-                    "eval_file": eval_path.name,
-                    "correct": metric["correct"],
-                    "total": metric["total"],
-                    "accuracy": metric["accuracy"],
-                    "dataset_type": _dataset_id(eval_path),
-                },
-            )
-    else:
-        result["message"] = (
-            f"No gold birthplaces in {eval_path}: wrote {len(predictions)} predictions"
-            + (f" to {outputs_path}" if outputs_path else "")
-            + "; nothing was scored."
+    """A whole recipe in one process: pretraining (into output_dir/pretrained) → finetuning (into
+    output_dir/finetuned) for the stages `config` has → the dev questions scored (`Correct: x out of N:
+    y%`, the handouts' way) → predictions for the test questions. Each stage's checkpoint is saved as by the
+    separate scripts; predictions and `results.json` go into `output_dir`. With `--resume_from_checkpoint
+    latest`, a stage that finished is loaded instead of trained again."""
+    started = time.perf_counter()
+    output_dir = Path(output_dir)
+    command = command or command_line()
+    first = config.pretrain or config.finetune
+    accelerator = accelerator or make_accelerator(first, project_dir=output_dir)
+    model = tokenizer = None
+    summary = {"config": config.to_dict(), "stages": {}, "device": describe_device(accelerator.device)}
+    for stage in config.stages:
+        args = getattr(config, stage)
+        stage_dir = Path(args.output_dir)
+        if args.resume_from_checkpoint and _completed(stage_dir):
+            model = AutoModelForCausalLM.from_pretrained(stage_dir)
+            tokenizer = AutoTokenizer.from_pretrained(stage_dir)
+            accelerator.print(f"{stage_dir} holds the finished {stage} stage: loaded, not trained again")
+            summary["stages"][stage] = json.loads((stage_dir / "train_results.json").read_text())
+            continue
+        args = _resuming(args, stage_dir)
+        stage_config = replace(config, **{stage: args})
+        run = run_pretraining if stage == "pretrain" else run_finetuning
+        model, tokenizer, metrics = run(
+            stage_config, files, model=model, tokenizer=tokenizer, accelerator=accelerator, hub=hub, command=command
         )
-    return result
-
-
-def london_baseline(
-    eval_corpus_path=None, outputs_path=None, place: str = "London", num_people: int = DEFAULT_NUM_PEOPLE
-):
-    """The handouts' baseline: answer `place` to every question; scored with the same metric."""
-    eval_path = Path(eval_corpus_path) if eval_corpus_path else default_data(num_people).dev
-    records = load_birthplaces(eval=eval_path)["eval"]
-    if any(answer is None for answer in records["answer"]):
-        raise ValueError(f"{eval_path} has no gold places: a baseline needs them")
-    predictions = [place] * len(records)
-    metric = load_metric().compute(predictions=predictions, references=records["answer"])
-    result = {
-        "eval_file": eval_path.name,
-        "place": place,
-        **metric,
-        "message": format_accuracy(metric["correct"], metric["total"]),
-    }
-    if outputs_path:
-        outputs_path = Path(outputs_path)
-        outputs_path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(outputs_path, "".join(p + "\n" for p in predictions))
-        metrics_file = outputs_path.with_name(outputs_path.name + ".metrics.json")
-        write_text_atomic(
-            metrics_file,
-            json.dumps({k: result[k] for k in ("eval_file", "place", "accuracy", "correct", "total")}, indent=2),
-        )
-    return result
-
-
-def scores_path(outputs_path) -> Path:
-    outputs_path = Path(outputs_path)
-    return outputs_path.with_name(outputs_path.name + ".scores.tsv")
+        summary["stages"][stage] = {k: v for k, v in metrics.items() if k != "loss_curve"}
+    answerer = Path(getattr(config, config.stages[-1]).output_dir)
+    if accelerator.is_main_process:
+        model.to(accelerator.device)
+        for split, path in (("dev", files.dev), ("test", files.test)):
+            if path is None:
+                continue
+            evaluation_started = time.perf_counter()
+            result = evaluate_birthplaces(
+                answerer,
+                eval_corpus_path=path,
+                outputs_path=output_dir / f"{split}.predictions",
+                batch_size=eval_batch_size,
+                model=model,
+                tokenizer=tokenizer,
+                update_model_card=True,
+            )
+            print(result["message"], flush=True)
+            summary[split] = {
+                k: result[k] for k in ("eval_file", "predictions_file", "accuracy", "correct", "total") if k in result
+            }
+            summary[split]["seconds"] = time.perf_counter() - evaluation_started
+        summary["seconds_in_run_recipe"] = time.perf_counter() - started
+        write_json_atomic(output_dir / "results.json", summary)
+    accelerator.wait_for_everyone()
+    return summary
 
 
 __all__ = [
@@ -433,6 +388,8 @@ __all__ = [
     "finetune",
     "london_baseline",
     "pretrain",
+    "run_finetuning",
+    "run_pretraining",
+    "run_recipe",
     "scores_path",
-    "stage_training_arguments",
 ]

@@ -6,15 +6,15 @@
 
 Greedy decoding with the KV cache, at most 32 characters after `question⁇`, in batches; the prediction
 is the text up to the next ⁇. Prints `Correct: c out of t: pct%` and writes `<outputs>.metrics.json`
-(and the accuracy into the checkpoint's model card) when gold places exist.
+when gold places exist; the checkpoint is only read, unless --update_model_card records the accuracy in
+its model card.
 """
 
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt import workflows
 from hf_knowgpt.cli import synthetic_size
-from hf_knowgpt.qa import HANDOUT_MAX_NEW_TOKENS
+from hf_knowgpt.options import HANDOUT_MAX_NEW_TOKENS
 
 
 def parse_args(argv=None):
@@ -29,12 +29,19 @@ def parse_args(argv=None):
     parser.add_argument("--write_scores", action="store_true", help="also write each answer's probability")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda when available)")
     parser.add_argument("--num_people", type=int, default=None, help="size of the synthetic corpus used without paths")
+    parser.add_argument(
+        "--update_model_card",
+        action="store_true",
+        help="record the accuracy in the checkpoint's model card (otherwise the checkpoint is only read)",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    result = workflows.evaluate_birthplaces(
+    from hf_knowgpt.evaluation import evaluate_birthplaces
+
+    result = evaluate_birthplaces(
         args.model_name_or_path,
         eval_corpus_path=args.eval_corpus_path,
         outputs_path=args.outputs_path,
@@ -42,6 +49,7 @@ def main(argv=None):
         max_new_tokens=args.max_new_tokens,
         write_scores=args.write_scores,
         device=args.device,
+        update_model_card=args.update_model_card,
         **synthetic_size(args),
     )
     print(result["message"])

@@ -6,23 +6,19 @@
         --finetune_corpus_path birth_places_train.tsv                                       # from scratch, 75 epochs
 
 Without --model_name_or_path the model starts from scratch with the vocabulary of the pretraining corpus,
-as the handouts do. The schedule's final_tokens is 200 · (pretraining documents) · block_size.
+as the handouts do. The schedule's final_tokens is 200 · (pretraining documents) · block_size. Every flag
+not given takes the --recipe's value.
 """
 
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt import workflows
-from hf_knowgpt.cli import (
-    add_model_arguments,
-    add_training_arguments,
-    run_training,
-    workflow_arguments,
-)
+from hf_knowgpt import cli
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_recipe_argument(parser)
     parser.add_argument(
         "--model_name_or_path", default=None, help="pretrained checkpoint folder or Hub id; omit to start from scratch"
     )
@@ -34,26 +30,34 @@ def parse_args(argv=None):
         default=None,
         help="the pretraining corpus: vocabulary when starting from scratch, and the schedule's corpus size",
     )
-    add_model_arguments(parser)
-    add_training_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.output_dir is None:
-        args.output_dir = "outputs/finetune-" + (
-            "pretrained" if args.model_name_or_path else f"scratch-{args.attention_type or args.recipe}"
-        )
-    return args
+    parser.add_argument(
+        "--finetune_recipe",
+        choices=sorted(cli.RECIPES),
+        default=None,
+        help="take the finetuning stage from this recipe (the knowledge recipe has none after pretraining)",
+    )
+    cli.add_model_arguments(parser)
+    cli.add_training_arguments(parser, stage="finetune")
+    return parser.parse_args(argv)
+
+
+def run_config(args):
+    """The run's settings and files, resolved from the recipe and the flags given."""
+    return cli.finetuning_plan(args)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    run_training(
-        workflows.finetune,
-        args.output_dir,
+    config, files = run_config(args)
+    cli.print_run_config(config)
+    from hf_knowgpt import workflows
+
+    cli.run_training(
+        workflows.run_finetuning,
+        config,
+        files,
         model_name_or_path=args.model_name_or_path,
-        finetune_corpus_path=args.finetune_corpus_path,
-        pretrain_corpus_path=args.pretrain_corpus_path,
-        attention_type=args.attention_type,
-        **workflow_arguments(args),
+        hub=cli.hub_options(args),
     )
 
 

@@ -7,7 +7,6 @@ python scripts/london_baseline.py --eval_corpus_path birth_dev.tsv --outputs_pat
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt import workflows
 from hf_knowgpt.cli import synthetic_size
 
 
@@ -24,7 +23,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    result = workflows.london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **synthetic_size(args))
+    from hf_knowgpt.evaluation import london_baseline
+
+    result = london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **synthetic_size(args))
     print(result["message"])
     print(f"Wrote {args.outputs_path} and {args.outputs_path}.metrics.json")
     return result

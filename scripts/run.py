@@ -16,13 +16,13 @@ import _no_shadowing  # noqa: F401, I001  (must come before anything imports `ev
 import argparse
 from pathlib import Path
 
-from hf_knowgpt import workflows
-from hf_knowgpt.configuration_knowgpt import ATTENTION_TYPES
-from hf_knowgpt.convert_cs224n import convert_cs224n_checkpoint
+from hf_knowgpt import cli
+from hf_knowgpt.options import ATTENTION_TYPES
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    suppress = argparse.SUPPRESS
     parser.add_argument("function", choices=["pretrain", "finetune", "evaluate"], help="what to do")
     parser.add_argument("variant", choices=ATTENTION_TYPES, help="attention variant")
     parser.add_argument("pretrain_corpus_path", help="the pretraining corpus (wiki.txt): vocabulary and schedule size")
@@ -31,55 +31,85 @@ def parse_args(argv=None):
     parser.add_argument("--finetune_corpus_path", default=None, help="question TAB place lines for finetuning")
     parser.add_argument("--eval_corpus_path", default=None, help="questions to answer when evaluating")
     parser.add_argument("--outputs_path", default=None, help="where evaluation writes its predictions")
-    parser.add_argument("--pretrain_lr", type=float, default=6e-3, help="pretraining learning rate (handout: 6e-3)")
-    parser.add_argument("--finetune_lr", type=float, default=6e-4, help="finetuning learning rate (handout: 6e-4)")
-    parser.add_argument("--bottleneck_dim", type=int, default=32, help="perceiver latent positions (2023 handout)")
     parser.add_argument(
-        "--tb_expt_name", default="run", help="TensorBoard run name (logs go to the checkpoint folder)"
+        "--pretrain_lr", dest="pretrain.learning_rate", type=float, default=suppress,
+        help="pretraining learning rate (handout: 6e-3)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--finetune_lr", dest="finetune.learning_rate", type=float, default=suppress,
+        help="finetuning learning rate (handout: 6e-4)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--bottleneck_dim", dest="model.bottleneck_dim", type=int, default=suppress,
+        help="perceiver latent positions (2023 handout: 32)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tb_expt_name",
+        dest="run.run_name",
+        default=suppress,
+        help="TensorBoard run name (logs go to the checkpoint folder)",
     )
-    parser.add_argument("--max_epochs", type=int, default=None, help="shorten the run (default: the handouts')")
-    parser.add_argument("--seed", type=int, default=0, help="seed")
+    parser.add_argument(
+        "--max_epochs",
+        dest="run.max_epochs",
+        type=int,
+        default=suppress,
+        help="shorten the run (default: the handouts')",
+    )
+    parser.add_argument("--seed", dest="run.seed", type=int, default=suppress, help="seed (0)")
     return parser.parse_args(argv)
+
+
+def given_settings(args) -> dict:
+    """The flags given, for the stage that runs; the variant names the model of a new run only."""
+    given = cli.given_settings(args)
+    if args.function != "evaluate" and not (args.function == "finetune" and args.reading_params_path):
+        given["model.attention_type"] = args.variant
+    elif args.function == "finetune":  # a pretrained model keeps its own configuration
+        given = {name: value for name, value in given.items() if not name.startswith("model.")}
+    # handouts' run.py trains one stage: its flags are that stage's
+    return {name.replace("run.", f"{args.function}.", 1) if name.startswith("run.") else name: value
+            for name, value in given.items()}  # fmt: skip
+
+
+def run_config(args):
+    """The run's settings and files, resolved from the handouts' recipe and the flags given."""
+    from data_loaders.corpus import DataFiles
+    from hf_knowgpt.run_config import plan_finetuning, plan_pretraining
+
+    given = {**given_settings(args), f"{args.function}.overwrite_output_dir": True}
+    if args.function == "pretrain":
+        if not args.writing_params_path:
+            raise SystemExit("run.py pretrain needs --writing_params_path")
+        files = DataFiles(corpus=Path(args.pretrain_corpus_path))
+        return plan_pretraining("handout", given, files, args.writing_params_path), files
+    if not args.writing_params_path or not args.finetune_corpus_path:
+        raise SystemExit("run.py finetune needs --writing_params_path and --finetune_corpus_path")
+    files = DataFiles(corpus=Path(args.pretrain_corpus_path), train=Path(args.finetune_corpus_path))
+    config = plan_finetuning("handout", given, files, args.writing_params_path, args.reading_params_path)
+    return config, files
 
 
 def main(argv=None):
     args = parse_args(argv)
-    model_overrides = {"bottleneck_dim": args.bottleneck_dim}
-    training = {
-        "max_epochs": args.max_epochs,
-        "seed": args.seed,
-        "overwrite_output_dir": True,
-        "run_name": args.tb_expt_name,
-    }
-    if args.function == "pretrain":
-        if not args.writing_params_path:
-            raise SystemExit("run.py pretrain needs --writing_params_path")
-        workflows.pretrain(
-            args.writing_params_path,
-            attention_type=args.variant,
-            pretrain_corpus_path=args.pretrain_corpus_path,
-            model_overrides=model_overrides,
-            training_overrides={**training, "learning_rate": args.pretrain_lr},
-        )
-    elif args.function == "finetune":
-        if not args.writing_params_path or not args.finetune_corpus_path:
-            raise SystemExit("run.py finetune needs --writing_params_path and --finetune_corpus_path")
-        workflows.finetune(
-            args.writing_params_path,
-            model_name_or_path=readable_checkpoint(args),
-            finetune_corpus_path=args.finetune_corpus_path,
-            pretrain_corpus_path=args.pretrain_corpus_path,
-            attention_type=args.variant,
-            model_overrides=model_overrides,
-            training_overrides={**training, "learning_rate": args.finetune_lr},
-        )
-    else:
+    if args.function == "evaluate":
         if not args.reading_params_path or not args.eval_corpus_path:
             raise SystemExit("run.py evaluate needs --reading_params_path and --eval_corpus_path")
+        from hf_knowgpt import workflows
+
         result = workflows.evaluate_birthplaces(
             readable_checkpoint(args), eval_corpus_path=args.eval_corpus_path, outputs_path=args.outputs_path
         )
         print(result["message"])
+        return
+    config, files = run_config(args)
+    cli.print_run_config(config)
+    from hf_knowgpt import workflows
+
+    if args.function == "pretrain":
+        cli.run_training(workflows.run_pretraining, config, files)
+    else:
+        cli.run_training(workflows.run_finetuning, config, files, model_name_or_path=readable_checkpoint(args))
 
 
 def readable_checkpoint(args):
@@ -87,6 +117,8 @@ def readable_checkpoint(args):
     path = args.reading_params_path
     if path is None or Path(path).is_dir():
         return path
+    from hf_knowgpt.convert_cs224n import convert_cs224n_checkpoint
+
     converted = Path(f"{path}.hf")
     convert_cs224n_checkpoint(path, args.pretrain_corpus_path, converted)
     print(f"Converted the handout checkpoint {path} to {converted}")

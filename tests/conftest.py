@@ -51,6 +51,35 @@ def tiny_config(attention_type="vanilla", **overrides):
     return KnowGPTConfig(**values)
 
 
+def load_script(name: str):
+    """A script of scripts/ as a module (its parse_args and run_config), as `python scripts/<name>.py` runs it."""
+    import importlib.util
+
+    scripts = str(REPO_ROOT / "scripts")
+    sys.path.insert(0, scripts)  # for `import _no_shadowing`, which takes the folder off again
+    try:
+        spec = importlib.util.spec_from_file_location(f"script_{name}", REPO_ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if scripts in sys.path:
+            sys.path.remove(scripts)
+    return module
+
+
+def write_cs224n_named_synthetic(directory, num_people=40, seed=0) -> Path:
+    """A synthetic corpus written under the CS224N file names (what --data_dir expects)."""
+    from data_loaders import write_synthetic_corpus
+
+    files = write_synthetic_corpus(Path(directory) / "synthetic", num_people=num_people, seed=seed)
+    data = Path(directory) / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for source, name in ((files.corpus, "wiki.txt"), (files.train, "birth_places_train.tsv"),
+                         (files.dev, "birth_dev.tsv"), (files.test, "birth_test_inputs.tsv")):  # fmt: skip
+        (data / name).write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+    return data
+
+
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)

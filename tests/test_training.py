@@ -19,18 +19,17 @@ from transformers import AutoModelForCausalLM, pipeline
 import hf_knowgpt  # noqa: F401
 from data_loaders import write_synthetic_corpus
 from hf_knowgpt import workflows
-from hf_knowgpt.qa import handout_accuracy, load_metric
-from hf_knowgpt.training import (
-    HANDOUT_WARMUP_TOKENS,
-    KnowGPTTrainer,
+from hf_knowgpt.checkpoints import list_checkpoints, validate_checkpoint
+from hf_knowgpt.optimization import (
     handout_lr_multiplier,
     handout_lr_multipliers,
     handout_parameter_groups,
-    list_checkpoints,
-    packed_token_index,
     rows_per_step,
-    validate_checkpoint,
 )
+from hf_knowgpt.qa import handout_accuracy, load_metric
+from hf_knowgpt.training import KnowGPTTrainer
+from hf_knowgpt.training_args import HANDOUT_WARMUP_TOKENS
+from hf_knowgpt.training_data import packed_token_index
 
 TINY_MODEL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"]
 TINY_OVERRIDES = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)
@@ -132,7 +131,7 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
 
     predictions = tmp_path / "dev.predictions"
     result = run_script(SCRIPTS / "evaluate.py", "--model_name_or_path", finetuned, "--eval_corpus_path", corpus.dev,
-                        "--outputs_path", predictions, "--write_scores")  # fmt: skip
+                        "--outputs_path", predictions, "--write_scores", "--update_model_card")  # fmt: skip
     questions = corpus.dev.read_text().strip("\n").split("\n")
     lines = predictions.read_text(encoding="utf-8").split("\n")[:-1]
     assert len(lines) == len(questions)
@@ -186,9 +185,7 @@ def test_two_processes_under_accelerate_train_like_one(corpus, tmp_path):
 
 def pretrain_in_process(corpus, output_dir, **training):
     training = {"max_epochs": 3, "batch_size": 16, "overwrite_output_dir": False, **training}
-    return workflows.pretrain(
-        output_dir, pretrain_corpus_path=corpus.corpus, model_overrides=TINY_OVERRIDES, training_overrides=training
-    )
+    return workflows.pretrain(output_dir, pretrain_corpus_path=corpus.corpus, **TINY_OVERRIDES, **training)
 
 
 def test_knowledge_recipe_reads_whole_windows_of_any_block_size(corpus, tmp_path):
@@ -198,15 +195,16 @@ def test_knowledge_recipe_reads_whole_windows_of_any_block_size(corpus, tmp_path
         pretrain_corpus_path=corpus.corpus,
         mixed_training_corpus_path=corpus.train,
         recipe="knowledge",
-        model_overrides=TINY_OVERRIDES,
-        training_overrides={"max_epochs": 1, "batch_size": 16},
+        **TINY_OVERRIDES,
+        max_epochs=1,
+        batch_size=16,
     )
     card = (tmp_path / "knowledge" / "README.md").read_text(encoding="utf-8")
     assert "truncated to at least 56 characters" in card
     with pytest.raises(ValueError, match="min_truncation_length must lie in 4..56"):
         workflows.pretrain(
-            tmp_path / "too-long", pretrain_corpus_path=corpus.corpus, model_overrides=TINY_OVERRIDES,
-            min_truncation_length=57, training_overrides={"max_epochs": 1},
+            tmp_path / "too-long", pretrain_corpus_path=corpus.corpus, **TINY_OVERRIDES,
+            min_truncation_length=57, max_epochs=1,
         )  # fmt: skip
 
 

@@ -1,0 +1,338 @@
+"""One resolution of a run's settings: the recipe's values, then the values the user gave, and nothing else.
+
+Every script (pretrain, finetune, train, the handouts' run.py) and every benchmark builds its runs here.
+What the user gave arrives as a dict of qualified names, only for flags actually given (the scripts'
+argparse defaults are `SUPPRESS`):
+
+- `model.<field>`: a `KnowGPTConfig` field (`model.attention_type`, `model.n_embd`, ...);
+- `data.<field>`: `data.min_truncation_length`, `data.mixed_training`;
+- `pretrain.<field>` / `finetune.<field>`: a `TrainingArguments` field of that stage only;
+- `run.<field>`: a `TrainingArguments` field of every stage (seed, training path, logging, ...).
+
+A value given for a stage wins over the same field given for the run. `resolve_run_config` is torch-free
+apart from reading `KnowGPTConfig`'s defaults, so tests can resolve every documented command cheaply.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from data_loaders.corpus import DataFiles, read_corpus
+from data_loaders.truncation import max_truncation_length
+
+from .recipes import Recipe, StageRecipe, get_recipe
+from .training_args import TrainingArguments
+
+MODEL_FIELDS = (
+    "attention_type",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "block_size",
+    "bottleneck_dim",
+    "rope_theta",
+    "embd_pdrop",
+    "resid_pdrop",
+    "attn_pdrop",
+    "attention_kernel_dtype",
+)
+DATA_FIELDS = ("min_truncation_length", "mixed_training")
+TRAINING_FIELDS = tuple(f.name for f in fields(TrainingArguments) if f.name != "output_dir")
+STAGES = ("pretrain", "finetune")
+SECTIONS = ("model", "data", "run", *STAGES)
+
+
+@dataclass
+class RunConfig:
+    """Everything a run uses, resolved: the model's configuration, the data options and the
+    `TrainingArguments` of each stage that runs (None for a stage that does not)."""
+
+    recipe: str
+    model: dict
+    min_truncation_length: int
+    mixed_training: bool
+    pretrain: TrainingArguments | None = None
+    finetune: TrainingArguments | None = None
+    finetune_from: str | None = None  # "pretrained" or "scratch" when there is a finetuning stage
+    given: dict = field(default_factory=dict)  # what the user gave, qualified names
+
+    @property
+    def stages(self) -> list[str]:
+        return [stage for stage in STAGES if getattr(self, stage) is not None]
+
+    def to_dict(self) -> dict:
+        record = asdict(self)
+        for stage in STAGES:  # tuples (betas) as lists: the JSON record reads back equal
+            if record[stage] is not None:
+                record[stage] = {k: list(v) if isinstance(v, tuple) else v for k, v in record[stage].items()}
+        return record
+
+    def describe(self) -> str:
+        """The compact block every run prints once at its start."""
+        model = self.model
+        lines = [
+            f"run configuration: recipe {self.recipe!r}"
+            + (f"; given: {', '.join(f'{k}={v}' for k, v in self.given.items())}" if self.given else "; no overrides"),
+            f"  model     {model['attention_type']}, {model['n_layer']} layers × {model['n_head']} heads × "
+            f"{model['n_embd']}, block {model['block_size']}, dropout {model['embd_pdrop']}/{model['resid_pdrop']}/"
+            f"{model['attn_pdrop']}"
+            + (f", bottleneck {model['bottleneck_dim']}" if model["attention_type"] == "perceiver" else "")
+            + (f", rope_theta {model['rope_theta']:g}" if model["attention_type"] == "rope" else ""),
+            f"  data      shortest truncation {self.min_truncation_length}, "
+            f"mixed training {'on' if self.mixed_training else 'off'}",
+        ]
+        for stage in self.stages:
+            args = getattr(self, stage)
+            origin = f" (from {self.finetune_from})" if stage == "finetune" else ""
+            lines.append(
+                f"  {stage:<9} {args.max_epochs} epochs{origin}, batch {args.batch_size}, lr {args.learning_rate:g}, "
+                f"final_tokens {args.final_tokens if args.final_tokens is not None else 'the run’s end'}, "
+                f"{'shuffled' if args.shuffle else 'file order'}, seed {args.seed}, path {args.training_path}"
+                f"{', compiled' if args.compile else ''} → {args.output_dir}"
+            )
+        return "\n".join(lines)
+
+
+def model_defaults() -> dict:
+    """`KnowGPTConfig`'s own defaults for the fields a recipe may leave out."""
+    from .configuration_knowgpt import KnowGPTConfig
+
+    return {name: getattr(KnowGPTConfig, name) for name in MODEL_FIELDS}
+
+
+def check_given(given: dict):
+    """Every qualified name must name a real field: a typo must not be dropped silently."""
+    allowed = {
+        "model": MODEL_FIELDS,
+        "data": DATA_FIELDS,
+        "run": TRAINING_FIELDS,
+        "pretrain": TRAINING_FIELDS,
+        "finetune": TRAINING_FIELDS,
+    }
+    for name in given:
+        section, _, field_name = name.partition(".")
+        if section not in allowed or field_name not in allowed[section]:
+            raise ValueError(
+                f"unknown setting {name!r}: expected model.<field>, data.<field>, run.<field>, pretrain.<field> "
+                f"or finetune.<field>, fields being those of KnowGPTConfig ({', '.join(MODEL_FIELDS)}), "
+                f"the data options ({', '.join(DATA_FIELDS)}) and TrainingArguments"
+            )
+
+
+def qualify(values: dict, stage: str) -> dict:
+    """Plain field names (as the library's `pretrain(..., n_embd=512, max_epochs=3)` takes them) qualified
+    for one stage: model and data fields by their section, every other field for that stage."""
+    qualified = {}
+    for name, value in values.items():
+        if "." in name:
+            qualified[name] = value
+        elif name in MODEL_FIELDS:
+            qualified[f"model.{name}"] = value
+        elif name in DATA_FIELDS:
+            qualified[f"data.{name}"] = value
+        else:
+            qualified[f"{stage}.{name}"] = value
+    check_given(qualified)
+    return qualified
+
+
+def stage_arguments(
+    stage: StageRecipe, stage_name: str, given: dict, output_dir, corpus_documents: int | None, block_size: int
+) -> TrainingArguments:
+    """A stage's `TrainingArguments`: the recipe stage's epochs, batch and learning rate, final_tokens counted
+    on the pretraining corpus as the handouts count it, then the run's and the stage's given values."""
+    final_tokens = None  # None: the run's own end (the trainer counts it)
+    if stage.final_tokens_epochs is not None and corpus_documents is not None:
+        final_tokens = stage.final_tokens_epochs * corpus_documents * block_size
+    values = dict(
+        max_epochs=stage.max_epochs,
+        batch_size=stage.batch_size,
+        learning_rate=stage.learning_rate,
+        final_tokens=final_tokens,
+        **stage.extra,
+    )
+    for section in ("run", stage_name):  # the stage's own value wins over the run's
+        values.update({name.split(".", 1)[1]: value for name, value in given.items() if name.split(".")[0] == section})
+    if (
+        stage.final_tokens_epochs is not None
+        and corpus_documents is None
+        and f"{stage_name}.final_tokens" not in given
+    ):
+        raise ValueError(
+            f"the {stage_name} stage's schedule needs the pretraining corpus size (final_tokens = "
+            f"{stage.final_tokens_epochs} · documents · block_size): pass the pretraining corpus"
+        )
+    return TrainingArguments(output_dir=str(output_dir), **values)
+
+
+def finetuning_stage(recipe: Recipe, finetune_from: str, finetune_recipe=None) -> StageRecipe:
+    """The recipe stage a finetuning run follows: after pretraining ("pretrained") or from "scratch"."""
+    source = get_recipe(finetune_recipe) if isinstance(finetune_recipe, str) else (finetune_recipe or recipe)
+    if finetune_from not in ("pretrained", "scratch"):
+        raise ValueError(f"finetune_from must be 'pretrained' or 'scratch', got {finetune_from!r}")
+    stage = source.finetune_pretrained if finetune_from == "pretrained" else source.finetune_scratch
+    if stage is None:
+        raise ValueError(
+            f"recipe {source.name!r} has no finetuning stage after pretraining: its pretrained model answers "
+            "the questions as it is; to finetune anyway, take the stage of another recipe "
+            "(--finetune_recipe handout)"
+        )
+    return stage
+
+
+def resolve_run_config(
+    recipe: str | Recipe,
+    given: dict | None = None,
+    *,
+    stages=("pretrain",),
+    output_dirs: dict | None = None,
+    corpus_documents: int | None = None,
+    finetune_from: str = "pretrained",
+    finetune_recipe: str | Recipe | None = None,
+) -> RunConfig:
+    """The run's settings: `recipe`'s values, then `given` (qualified names; only what the user gave).
+
+    `stages` are the stages that run; `finetune_from` is "pretrained" (after pretraining, or from a
+    pretrained checkpoint: the recipe's `finetune_pretrained` stage) or "scratch" (`finetune_scratch`);
+    `finetune_recipe` takes the finetuning stage from another recipe (the knowledge recipe has none);
+    `corpus_documents` is the pretraining corpus size, which the handouts' schedules count in."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    given = dict(given or {})
+    check_given(given)
+    output_dirs = output_dirs or {}
+    model = {**model_defaults(), "attention_type": recipe.attention_type, **recipe.model}
+    model.update({name.split(".", 1)[1]: value for name, value in given.items() if name.startswith("model.")})
+    block_size = model["block_size"]
+    if "data.min_truncation_length" in given:
+        min_truncation_length = given["data.min_truncation_length"]
+    else:  # the recipe's, within what a smaller block_size can hold
+        min_truncation_length = min(recipe.min_truncation_length, max_truncation_length(block_size))
+    config = RunConfig(
+        recipe=recipe.name,
+        model=model,
+        min_truncation_length=min_truncation_length,
+        mixed_training=given.get("data.mixed_training", recipe.mixed_training),
+        given=given,
+    )
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stages {sorted(unknown)}; choose from {list(STAGES)}")
+    if "pretrain" in stages:
+        config.pretrain = stage_arguments(
+            recipe.pretrain, "pretrain", given, output_dirs.get("pretrain", "pretrained"), corpus_documents, block_size
+        )
+    if "finetune" in stages:
+        stage = finetuning_stage(recipe, finetune_from, finetune_recipe)
+        config.finetune = stage_arguments(
+            stage, "finetune", given, output_dirs.get("finetune", "finetuned"), corpus_documents, block_size
+        )
+        config.finetune_from = finetune_from
+    return config
+
+
+def count_documents(corpus_path) -> int:
+    return len(read_corpus(corpus_path))
+
+
+def _recorded_corpus_documents(model_name_or_path) -> int | None:
+    """The pretraining corpus size a local checkpoint's card records (the handouts' finetuning schedule
+    counts in it)."""
+    from .model_card import CARD_FACTS
+
+    path = Path(model_name_or_path) / CARD_FACTS
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8")).get("corpus_documents")
+
+
+def _check_mixed_training(config: RunConfig, files: DataFiles):
+    if config.pretrain is not None and config.mixed_training and files.train is None:
+        raise ValueError(
+            f"recipe {config.recipe!r} mixes question–answer examples into pretraining: pass the training "
+            "questions (--mixed_training_corpus_path, or --data_dir), or --no_mixed_training"
+        )
+
+
+def plan_pretraining(recipe, given: dict, files: DataFiles, output_dir) -> RunConfig:
+    """The settings of a pretraining run (`scripts/pretrain.py`)."""
+    config = resolve_run_config(
+        recipe,
+        given,
+        stages=("pretrain",),
+        output_dirs={"pretrain": output_dir},
+        corpus_documents=count_documents(files.corpus),
+    )
+    _check_mixed_training(config, files)
+    return config
+
+
+def plan_finetuning(
+    recipe, given: dict, files: DataFiles, output_dir, model_name_or_path=None, finetune_recipe=None
+) -> RunConfig:
+    """The settings of a finetuning run (`scripts/finetune.py`): from `model_name_or_path`, or from scratch."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    finetuning_stage(recipe, "pretrained" if model_name_or_path else "scratch", finetune_recipe)  # one exists
+    if files.corpus is not None:
+        corpus_documents = count_documents(files.corpus)
+    elif model_name_or_path is not None and Path(model_name_or_path).is_dir():
+        corpus_documents = _recorded_corpus_documents(model_name_or_path)
+    else:
+        corpus_documents = None
+    if corpus_documents is None and "finetune.final_tokens" not in given:
+        raise ValueError(
+            f"{model_name_or_path} does not record its pretraining corpus size, which the handouts' schedule "
+            "needs (final_tokens = 200 · documents · block_size): pass --pretrain_corpus_path"
+        )
+    return resolve_run_config(
+        recipe,
+        given,
+        stages=("finetune",),
+        output_dirs={"finetune": output_dir},
+        corpus_documents=corpus_documents,
+        finetune_from="pretrained" if model_name_or_path else "scratch",
+        finetune_recipe=finetune_recipe,
+    )
+
+
+def plan_recipe(
+    recipe, given: dict, files: DataFiles, output_dir, pretraining=True, finetuning=None, finetune_recipe=None
+) -> RunConfig:
+    """The settings of a whole recipe in one run (`scripts/train.py`): pretraining into
+    `output_dir/pretrained` unless `pretraining` is False, then finetuning into `output_dir/finetuned`
+    when the recipe has that stage (`finetuning` None) or when asked; without pretraining, finetuning
+    starts from scratch."""
+    recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+    if finetuning is None:
+        source = get_recipe(finetune_recipe) if finetune_recipe else recipe
+        finetuning = not pretraining or source.finetune_pretrained is not None
+    stages = [stage for stage, runs in (("pretrain", pretraining), ("finetune", finetuning)) if runs]
+    if not stages:
+        raise ValueError("nothing to run: both pretraining and finetuning are switched off")
+    output_dir = Path(output_dir)
+    config = resolve_run_config(
+        recipe,
+        given,
+        stages=stages,
+        output_dirs={"pretrain": output_dir / "pretrained", "finetune": output_dir / "finetuned"},
+        corpus_documents=count_documents(files.corpus),
+        finetune_from="pretrained" if pretraining else "scratch",
+        finetune_recipe=finetune_recipe,
+    )
+    _check_mixed_training(config, files)
+    return config
+
+
+__all__ = [
+    "DATA_FIELDS",
+    "MODEL_FIELDS",
+    "RunConfig",
+    "STAGES",
+    "TRAINING_FIELDS",
+    "check_given",
+    "count_documents",
+    "plan_finetuning",
+    "plan_pretraining",
+    "plan_recipe",
+    "qualify",
+    "resolve_run_config",
+]

@@ -1,0 +1,57 @@
+"""The hyperparameters and bookkeeping of one training run (torch-free: the scripts resolve them before
+loading anything heavy)."""
+
+from dataclasses import asdict, dataclass
+
+HANDOUT_WARMUP_TOKENS = 512 * 20
+
+
+@dataclass
+class TrainingArguments:
+    """Hyperparameters and bookkeeping of one run. Defaults are the handouts' pretraining recipe."""
+
+    output_dir: str
+    max_epochs: int = 650
+    batch_size: int = 128
+    learning_rate: float = 6e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    grad_norm_clip: float = 1.0
+    warmup_tokens: int = HANDOUT_WARMUP_TOKENS
+    final_tokens: int | None = None  # None: max_epochs · examples · block_size, the handout's pretraining value
+    shuffle: bool = False
+    seed: int = 0
+    packed: bool = True
+    pack_multiple: int = 1
+    # Eager path: rows sorted by length and run as this many gradient-accumulated groups, each only as wide
+    # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: up to 4 groups
+    # of ≥ 32 rows on CPU, 1 on GPU (where more, smaller kernels cost more than they save). Same gradient;
+    # dropout draws differ.
+    length_groups: int | None = None
+    training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
+    compile: bool = False  # torch.compile the model inside the graphed step
+    # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
+    # (attn_implementation "triton", hf_knowgpt.fused_attention) for the run, when Triton is installed.
+    fused_attention: bool = True
+    # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
+    # whole run): the first part of a long run, for studies of early training. None: run to the end.
+    stop_after_steps: int | None = None
+    log_every: int = 50
+    checkpointing_steps: str | None = None  # an integer, or "epoch"
+    save_total_limit: int = 2
+    resume_from_checkpoint: str | None = None
+    overwrite_output_dir: bool = False
+    report_to: str | None = None
+    run_name: str = "knowgpt"
+
+    def fingerprint(self) -> dict:
+        """What defines the run: a directory holding another fingerprint holds a different run."""
+        keep = (
+            "max_epochs batch_size learning_rate betas weight_decay grad_norm_clip warmup_tokens final_tokens "
+            "shuffle seed"
+        ).split()
+        values = asdict(self)
+        return {key: (list(values[key]) if isinstance(values[key], tuple) else values[key]) for key in keep}
+
+
+__all__ = ["HANDOUT_WARMUP_TOKENS", "TrainingArguments"]

@@ -1,0 +1,74 @@
+"""What `import hf_knowgpt` costs and gives: nothing heavy is loaded, yet transformers' Auto classes and the
+"birthplace-qa" pipeline know KnowGPT once their modules load, whichever is imported first."""
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+
+
+def run_python(code: str):
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_importing_the_package_loads_neither_torch_nor_transformers():
+    out = run_python(
+        "import sys, hf_knowgpt, data_loaders\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'evaluate', 'triton', 'accelerate') if m in sys.modules))"
+    )
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("script", ["pretrain", "finetune", "train", "evaluate", "run"])
+def test_script_help_needs_no_torch(script):
+    out = run_python(
+        "import sys\n"
+        f"sys.path.insert(0, 'scripts'); sys.argv = ['{script}.py', '--help']\n"
+        f"import {script}\n"
+        "try:\n"
+        f"    {script}.parse_args()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    assert out.strip().endswith("False")
+
+
+REGISTERED = (
+    "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer\n"
+    "config = AutoConfig.for_model('knowgpt', n_layer=2, n_embd=16, n_head=2, vocab_size=20)\n"
+    "model = AutoModelForCausalLM.from_config(config)\n"
+    "from transformers.models.auto.tokenization_auto import tokenizer_class_from_name\n"
+    "from transformers.pipelines import PIPELINE_REGISTRY\n"
+    "print(type(model).__name__, 'birthplace-qa' in PIPELINE_REGISTRY.get_supported_tasks())\n"
+)
+
+
+@pytest.mark.parametrize("order", ["package first", "transformers first"])
+def test_auto_classes_and_pipeline_know_knowgpt_whichever_comes_first(order):
+    if order == "package first":
+        code = "import hf_knowgpt\n" + REGISTERED
+    else:  # transformers' Auto modules already loaded: the package registers at import
+        code = "import transformers.pipelines\nfrom transformers import AutoConfig, AutoModel\nimport hf_knowgpt\n"
+        code += REGISTERED
+    assert run_python(code).strip().endswith("KnowGPTForCausalLM True")
+
+
+def test_a_saved_checkpoint_loads_through_the_auto_classes_after_a_bare_import(tmp_path):
+    run_python(
+        "from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, KnowGPTTokenizerFast\n"
+        "model = KnowGPTForCausalLM(KnowGPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=20))\n"
+        f"model.save_pretrained(r'{tmp_path}')\n"
+        f"KnowGPTTokenizerFast.from_corpus('abc de').save_pretrained(r'{tmp_path}')\n"
+    )
+    out = run_python(
+        "import hf_knowgpt\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"model = AutoModelForCausalLM.from_pretrained(r'{tmp_path}')\n"
+        f"tokenizer = AutoTokenizer.from_pretrained(r'{tmp_path}')\n"
+        "print(type(model).__name__, type(tokenizer).__name__)"
+    )
+    assert out.strip().endswith("KnowGPTForCausalLM KnowGPTTokenizerFast")

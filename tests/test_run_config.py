@@ -1,0 +1,308 @@
+"""One resolution of a run's settings: every script's documented command resolves to the recipe's values, and
+each flag given changes its own field and nothing else (`hf_knowgpt.run_config`, `hf_knowgpt.cli`).
+
+The expected values are written from the recipe presets and the dataclass defaults, not from the resolver."""
+
+import shlex
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+from conftest import HAS_DATA, REPO_ROOT, load_script, write_cs224n_named_synthetic
+
+from hf_knowgpt.configuration_knowgpt import KnowGPTConfig
+from hf_knowgpt.recipes import RECIPES
+from hf_knowgpt.run_config import MODEL_FIELDS, STAGES, resolve_run_config
+from hf_knowgpt.training_args import TrainingArguments
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import reproduce  # noqa: E402
+
+PRETRAIN, FINETUNE, TRAIN, RUN = (load_script(name) for name in ("pretrain", "finetune", "train", "run"))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    directory = write_cs224n_named_synthetic(tmp_path_factory.mktemp("cs224n"), num_people=40)
+    documents = len((directory / "wiki.txt").read_text(encoding="utf-8").strip("\n").split("\n"))
+    return {
+        "dir": directory,
+        "corpus": directory / "wiki.txt",
+        "train": directory / "birth_places_train.tsv",
+        "dev": directory / "birth_dev.tsv",
+        "test": directory / "birth_test_inputs.tsv",
+        "documents": documents,
+    }
+
+
+def resolve(script, argv):
+    args = script.parse_args([str(a) for a in argv])
+    config, _ = script.run_config(args)
+    return config
+
+
+def flatten(config) -> dict:
+    flat = {f"model.{name}": value for name, value in config.model.items()}
+    flat["data.min_truncation_length"] = config.min_truncation_length
+    flat["data.mixed_training"] = config.mixed_training
+    flat["finetune_from"] = config.finetune_from
+    for stage in STAGES:
+        args = getattr(config, stage)
+        if args is not None:
+            flat.update({f"{stage}.{name}": value for name, value in asdict(args).items()})
+    return flat
+
+
+def expected_model(recipe) -> dict:
+    defaults = {name: getattr(KnowGPTConfig, name) for name in MODEL_FIELDS}
+    return {**defaults, "attention_type": recipe.attention_type, **recipe.model}
+
+
+def expected_stage(stage, documents, block_size, output_dir) -> dict:
+    final_tokens = None if stage.final_tokens_epochs is None else stage.final_tokens_epochs * documents * block_size
+    arguments = TrainingArguments(
+        output_dir=str(output_dir),
+        max_epochs=stage.max_epochs,
+        batch_size=stage.batch_size,
+        learning_rate=stage.learning_rate,
+        final_tokens=final_tokens,
+        **stage.extra,
+    )
+    return asdict(arguments)
+
+
+def pretrain_argv(recipe, data, output_dir):
+    return ["--recipe", recipe, "--pretrain_corpus_path", data["corpus"],
+            "--mixed_training_corpus_path", data["train"], "--output_dir", output_dir]  # fmt: skip
+
+
+def finetune_argv(recipe, data, output_dir, from_checkpoint=True):
+    checkpoint = ["--model_name_or_path", output_dir.parent / "pretrained"] if from_checkpoint else []
+    return ["--recipe", recipe, *checkpoint, "--finetune_corpus_path", data["train"],
+            "--pretrain_corpus_path", data["corpus"], "--output_dir", output_dir]  # fmt: skip
+
+
+def train_argv(recipe, data, output_dir):
+    return ["--recipe", recipe, "--data_dir", data["dir"], "--output_dir", output_dir]
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_documented_commands_resolve_to_the_recipe(name, data, tmp_path):
+    recipe = RECIPES[name]
+    block, documents = recipe.model["block_size"], data["documents"]
+    # the knowledge recipe's whole documents: ⌊7B/8⌋ at most
+    truncation = min(recipe.min_truncation_length, 7 * block // 8)
+
+    config = resolve(PRETRAIN, pretrain_argv(name, data, tmp_path / "p"))
+    assert config.model == expected_model(recipe)
+    assert asdict(config.pretrain) == expected_stage(recipe.pretrain, documents, block, tmp_path / "p")
+    assert (config.min_truncation_length, config.mixed_training) == (truncation, recipe.mixed_training)
+    assert config.finetune is None and config.given == {}
+
+    scratch = resolve(FINETUNE, finetune_argv(name, data, tmp_path / "s", from_checkpoint=False))
+    assert scratch.model == expected_model(recipe) and scratch.finetune_from == "scratch"
+    assert asdict(scratch.finetune) == expected_stage(recipe.finetune_scratch, documents, block, tmp_path / "s")
+
+    whole = resolve(TRAIN, train_argv(name, data, tmp_path / "run"))
+    assert whole.model == expected_model(recipe)
+    assert asdict(whole.pretrain) == expected_stage(recipe.pretrain, documents, block, tmp_path / "run" / "pretrained")
+    if recipe.finetune_pretrained is None:
+        assert whole.finetune is None
+        with pytest.raises(ValueError, match=f"recipe '{name}' has no finetuning stage"):
+            resolve(FINETUNE, finetune_argv(name, data, tmp_path / "f"))
+    else:
+        finetuned = resolve(FINETUNE, finetune_argv(name, data, tmp_path / "f"))
+        assert finetuned.finetune_from == "pretrained"
+        assert asdict(finetuned.finetune) == expected_stage(
+            recipe.finetune_pretrained, documents, block, tmp_path / "f"
+        )
+        expected = expected_stage(recipe.finetune_pretrained, documents, block, tmp_path / "run" / "finetuned")
+        assert asdict(whole.finetune) == expected
+
+
+def test_the_knowledge_recipe_keeps_its_shuffling_when_no_flag_is_given(data, tmp_path):
+    """The defect behind 30% against 68%: a store-true flag's default (shuffle=False) overrode the recipe."""
+    assert RECIPES["knowledge"].pretrain.extra == {"shuffle": True}
+    assert resolve(TRAIN, train_argv("knowledge", data, tmp_path)).pretrain.shuffle is True
+    assert resolve(PRETRAIN, pretrain_argv("knowledge", data, tmp_path)).pretrain.shuffle is True
+    assert (
+        resolve(TRAIN, [*train_argv("knowledge", data, tmp_path), "--no_pretrain_shuffle"]).pretrain.shuffle is False
+    )
+
+
+# (recipe, flags, {field: value}) for the one-stage scripts; `S` stands for the script's stage
+SINGLE_STAGE_FLAGS = [
+    ("handout", ["--attention_type", "rope"], {"model.attention_type": "rope"}),
+    ("handout", ["--n_layer", "3"], {"model.n_layer": 3}),
+    ("handout", ["--n_head", "4"], {"model.n_head": 4}),
+    ("handout", ["--n_embd", "128"], {"model.n_embd": 128}),
+    ("handout", ["--bottleneck_dim", "16"], {"model.bottleneck_dim": 16}),
+    ("handout", ["--rope_theta", "500"], {"model.rope_theta": 500.0}),
+    ("handout", ["--embd_pdrop", "0"], {"model.embd_pdrop": 0.0}),
+    ("handout", ["--resid_pdrop", "0.2"], {"model.resid_pdrop": 0.2}),
+    ("handout", ["--attn_pdrop", "0"], {"model.attn_pdrop": 0.0}),
+    ("handout", ["--attention_kernel_dtype", "bfloat16"], {"model.attention_kernel_dtype": "bfloat16"}),
+    ("handout", ["--max_epochs", "3"], {"S.max_epochs": 3}),
+    ("handout", ["--num_train_epochs", "3"], {"S.max_epochs": 3}),
+    ("handout", ["--batch_size", "32"], {"S.batch_size": 32}),
+    ("handout", ["--learning_rate", "1e-3"], {"S.learning_rate": 1e-3}),
+    ("handout", ["--final_tokens", "1000"], {"S.final_tokens": 1000}),
+    ("handout", ["--shuffle"], {"S.shuffle": True}),
+    ("knowledge", ["--no_shuffle"], {"S.shuffle": False}),
+    ("handout", ["--seed", "3"], {"S.seed": 3}),
+    ("handout", ["--weight_decay", "0"], {"S.weight_decay": 0.0}),
+    ("handout", ["--max_grad_norm", "0.5"], {"S.grad_norm_clip": 0.5}),
+    ("handout", ["--grad_norm_clip", "0.5"], {"S.grad_norm_clip": 0.5}),
+    ("handout", ["--warmup_tokens", "0"], {"S.warmup_tokens": 0}),
+    ("handout", ["--no_packing"], {"S.packed": False}),
+    ("handout", ["--length_groups", "2"], {"S.length_groups": 2}),
+    ("handout", ["--training_path", "plain"], {"S.training_path": "plain"}),
+    ("handout", ["--torch_compile"], {"S.compile": True}),
+    ("handout", ["--no_fused_attention"], {"S.fused_attention": False}),
+    ("handout", ["--logging_steps", "7"], {"S.log_every": 7}),
+    ("handout", ["--log_every", "7"], {"S.log_every": 7}),
+    ("handout", ["--report_to", "tensorboard"], {"S.report_to": "tensorboard"}),
+    ("handout", ["--checkpointing_steps", "epoch"], {"S.checkpointing_steps": "epoch"}),
+    ("handout", ["--save_total_limit", "5"], {"S.save_total_limit": 5}),
+    ("handout", ["--resume_from_checkpoint", "latest"], {"S.resume_from_checkpoint": "latest"}),
+    ("handout", ["--overwrite_output_dir"], {"S.overwrite_output_dir": True}),
+]
+PRETRAIN_ONLY_FLAGS = [
+    ("handout", ["--min_truncation_length", "8"], {"data.min_truncation_length": 8}),
+    ("handout", ["--mixed_training"], {"data.mixed_training": True}),
+    ("knowledge", ["--no_mixed_training"], {"data.mixed_training": False}),
+]
+
+
+def assert_changes_exactly(base, changed, expected):
+    before, after = flatten(base), flatten(changed)
+    differing = {key: after[key] for key in after if after[key] != before.get(key)}
+    assert differing == expected
+
+
+@pytest.mark.parametrize("recipe, flags, expected", SINGLE_STAGE_FLAGS + PRETRAIN_ONLY_FLAGS)
+def test_each_pretraining_flag_changes_its_field_only(recipe, flags, expected, data, tmp_path):
+    expected = {key.replace("S.", "pretrain."): value for key, value in expected.items()}
+    base = pretrain_argv(recipe, data, tmp_path)
+    assert_changes_exactly(resolve(PRETRAIN, base), resolve(PRETRAIN, base + flags), expected)
+
+
+@pytest.mark.parametrize("recipe, flags, expected", [(r, f, e) for r, f, e in SINGLE_STAGE_FLAGS if r == "handout"])
+def test_each_finetuning_flag_changes_its_field_only(recipe, flags, expected, data, tmp_path):
+    expected = {key.replace("S.", "finetune."): value for key, value in expected.items()}
+    base = finetune_argv(recipe, data, tmp_path, from_checkpoint=False)
+    assert_changes_exactly(resolve(FINETUNE, base), resolve(FINETUNE, base + flags), expected)
+
+
+def test_model_flags_are_refused_for_a_pretrained_checkpoint(data, tmp_path):
+    with pytest.raises(SystemExit, match="--n_embd: the model of --model_name_or_path"):
+        resolve(FINETUNE, finetune_argv("handout", data, tmp_path) + ["--n_embd", "64"])
+
+
+STAGE_FLAGS = [  # train.py: the fields that differ between the stages take the stage's prefix
+    (["--pretrain_max_epochs", "3"], {"pretrain.max_epochs": 3}),
+    (["--finetune_max_epochs", "3"], {"finetune.max_epochs": 3}),
+    (["--pretrain_batch_size", "32"], {"pretrain.batch_size": 32}),
+    (["--finetune_batch_size", "32"], {"finetune.batch_size": 32}),
+    (["--pretrain_learning_rate", "1e-3"], {"pretrain.learning_rate": 1e-3}),
+    (["--pretrain_lr", "1e-3"], {"pretrain.learning_rate": 1e-3}),
+    (["--finetune_learning_rate", "1e-3"], {"finetune.learning_rate": 1e-3}),
+    (["--finetune_lr", "1e-3"], {"finetune.learning_rate": 1e-3}),
+    (["--pretrain_final_tokens", "1000"], {"pretrain.final_tokens": 1000}),
+    (["--finetune_final_tokens", "1000"], {"finetune.final_tokens": 1000}),
+    (["--pretrain_shuffle"], {"pretrain.shuffle": True}),
+    (["--finetune_shuffle"], {"finetune.shuffle": True}),
+]
+STAGE_FIELD_NAMES = ("max_epochs", "batch_size", "learning_rate", "final_tokens", "shuffle")
+
+
+def train_flag_cases():
+    cases = [("handout", flags, expected) for flags, expected in STAGE_FLAGS]
+    cases.append(("knowledge", ["--no_pretrain_shuffle"], {"pretrain.shuffle": False}))
+    for recipe, flags, expected in SINGLE_STAGE_FLAGS + PRETRAIN_ONLY_FLAGS:
+        ((field, value),) = expected.items()
+        if not field.startswith("S."):
+            cases.append((recipe, flags, expected))
+        elif field[2:] not in STAGE_FIELD_NAMES and recipe == "handout":  # every stage's field
+            cases.append((recipe, flags, {f"{stage}.{field[2:]}": value for stage in STAGES}))
+    return cases
+
+
+@pytest.mark.parametrize("recipe, flags, expected", train_flag_cases())
+def test_each_flag_of_the_one_command_changes_its_field_only(recipe, flags, expected, data, tmp_path):
+    base = train_argv(recipe, data, tmp_path)
+    assert_changes_exactly(resolve(TRAIN, base), resolve(TRAIN, base + flags), expected)
+
+
+def test_block_size_also_rescales_the_handout_schedule(data, tmp_path):
+    """final_tokens is counted in block_size positions per document, as the handouts count it."""
+    base = train_argv("handout", data, tmp_path)
+    documents = data["documents"]
+    assert_changes_exactly(
+        resolve(TRAIN, base),
+        resolve(TRAIN, base + ["--block_size", "64"]),
+        {
+            "model.block_size": 64,
+            "pretrain.final_tokens": 650 * documents * 64,
+            "finetune.final_tokens": 200 * documents * 64,
+        },
+    )
+
+
+def test_no_flag_default_reaches_the_settings(data, tmp_path):
+    for script, argv in ((PRETRAIN, pretrain_argv("handout", data, tmp_path)),
+                         (FINETUNE, finetune_argv("handout", data, tmp_path)),
+                         (TRAIN, train_argv("handout", data, tmp_path))):  # fmt: skip
+        args = script.parse_args([str(a) for a in argv])
+        assert not any("." in name for name in vars(args)), vars(args)
+
+
+def test_handout_run_py_resolves_to_the_handout_recipe(data, tmp_path):
+    handout = RECIPES["handout"]
+    documents, block = data["documents"], handout.model["block_size"]
+    config = resolve(RUN, ["pretrain", "rope", data["corpus"], "--writing_params_path", tmp_path / "w"])
+    assert config.model == {**expected_model(handout), "attention_type": "rope"}
+    expected = expected_stage(handout.pretrain, documents, block, tmp_path / "w")
+    assert asdict(config.pretrain) == {**expected, "overwrite_output_dir": True}
+    lr = resolve(
+        RUN, ["pretrain", "rope", data["corpus"], "--writing_params_path", tmp_path / "w", "--pretrain_lr", "1e-3"]
+    )
+    assert_changes_exactly(config, lr, {"pretrain.learning_rate": 1e-3})
+    finetuned = resolve(RUN, ["finetune", "rope", data["corpus"], "--reading_params_path", tmp_path / "w",
+                              "--writing_params_path", tmp_path / "f", "--finetune_corpus_path", data["train"]])  # fmt: skip
+    expected = expected_stage(handout.finetune_pretrained, documents, block, tmp_path / "f")
+    assert asdict(finetuned.finetune) == {**expected, "overwrite_output_dir": True}
+
+
+def readme_command(marker: str) -> list[str]:
+    """The README's command line containing `marker`, as argv for the script (launcher and script dropped)."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    line = next(line for line in text.split("\n") if marker in line)
+    argv = shlex.split(line.split("#")[0])
+    return argv[argv.index("scripts/train.py") + 1 :]
+
+
+def test_reproduce_runs_the_readme_knowledge_command(data, tmp_path):
+    argv = readme_command("scripts/train.py --recipe knowledge")
+    if not HAS_DATA:  # the README's --data_dir is ../shared/data; the synthetic stand-in has the same file names
+        argv[argv.index("--data_dir") + 1] = str(data["dir"])
+    data_dir = argv[argv.index("--data_dir") + 1]
+    readme = resolve(TRAIN, argv)
+    files = {"corpus": f"{data_dir}/wiki.txt", "train": f"{data_dir}/birth_places_train.tsv",
+             "eval": f"{data_dir}/birth_dev.tsv", "test": f"{data_dir}/birth_test_inputs.tsv"}  # fmt: skip
+    command = reproduce.train_command("knowledge", 0, files, tmp_path / "reproduced")
+    reproduced = resolve(TRAIN, command[command.index(str(REPO_ROOT / "scripts" / "train.py")) + 1 :])
+
+    def settings(config):
+        same_dirs = {stage: replace(getattr(config, stage), output_dir="-") for stage in config.stages}
+        return {**replace(config, **same_dirs, given={}).to_dict()}
+
+    assert settings(readme) == settings(reproduced)
+    assert readme.pretrain.shuffle and readme.mixed_training and readme.min_truncation_length == 112
+
+
+def test_resolution_refuses_unknown_settings():
+    with pytest.raises(ValueError, match="unknown setting 'pretrain.max_epoch'"):
+        resolve_run_config("handout", {"pretrain.max_epoch": 3})
+    with pytest.raises(ValueError, match="unknown setting 'model.width'"):
+        resolve_run_config("handout", {"model.width": 3})
