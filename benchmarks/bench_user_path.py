@@ -5,9 +5,10 @@
     python benchmarks/bench_user_path.py --startup_only                            # start-up figures (any machine)
 
 On a GPU, in one run:
-1. `accelerate launch --mixed_precision bf16 scripts/train.py --recipe handout --attention_type vanilla
-   --data_dir DATA --torch_compile` twice: cold (empty TorchInductor and Triton caches, as on a fresh
-   machine) and warm (the same caches, a second run on the same machine). Command → printed dev accuracy.
+1. `python scripts/train.py --recipe handout --attention_type vanilla --data_dir DATA --mixed_precision bf16
+   --torch_compile` twice: cold (empty TorchInductor and Triton caches, as on a fresh machine) and warm
+   (the same caches, a second run on the same machine); then the same run under `accelerate launch
+   --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
 2. `scripts/evaluate.py` on the finetuned checkpoint (500 questions).
 3. The handouts' loop beside it: the plain path (`--training_path plain`: a DataLoader corrupting one
    document per item, every position computed, unfused attention, fp32) for a few pretraining and
@@ -121,14 +122,17 @@ def main(argv=None):
         caches = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "TRITON_CACHE_DIR": str(work / "triton")}
         data = Path(args.data_dir)
         recipe = ["--recipe", "handout", "--attention_type", args.attention_type, "--data_dir", data]
-        for run in ("cold", "warm"):
-            output_dir = work / f"{run}-run"
-            command = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe, "--torch_compile",
-                       "--output_dir", output_dir]  # fmt: skip
-            seconds, output = timed(command, work / f"{run}.log", env=caches)
+        direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16", "--torch_compile"]
+        launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe, "--torch_compile"]
+        runs = (("cold", direct), ("warm", direct), ("warm, accelerate launch", launched))
+        for run, command in runs:
+            output_dir = work / f"{run.split(',')[0]}-{len(results)}-run"
+            command = [*command, "--output_dir", output_dir]
+            seconds, output = timed(command, work / f"{output_dir.name}.log", env=caches)
             summary = json.loads((output_dir / "results.json").read_text())
             results[run] = {
                 "command": " ".join(map(str, command)),
+                "output_dir": str(output_dir),
                 "process_s": seconds,
                 "accuracy": accuracy_line(output),
                 "pretrain_train_s": summary["stages"]["pretrain"]["train_seconds"],
@@ -139,7 +143,7 @@ def main(argv=None):
                 "run_recipe_s": summary["seconds_in_run_recipe"],
             }
             print(json.dumps(results[run]), flush=True)
-        checkpoint = work / "warm-run" / "finetuned"
+        checkpoint = Path(results["warm"]["output_dir"]) / "finetuned"
         seconds, output = timed(
             [sys.executable, SCRIPTS / "evaluate.py", "--model_name_or_path", checkpoint, "--eval_corpus_path",
              data / "birth_dev.tsv", "--outputs_path", work / "evaluate.predictions"],
@@ -175,14 +179,16 @@ def main(argv=None):
     print(f"{'scripts/train.py --help':<44}{startup['train_help_s']:>8.2f} s")
     if not args.startup_only:
         handout = results["handout_loop"]
-        for run in ("cold", "warm"):
+        for run in ("cold", "warm", "warm, accelerate launch"):
             row = results[run]
             print(
                 f"{'train.py ' + args.attention_type + ' bf16, ' + run:<44}{row['process_s']:>8.1f} s   "
                 f"{row['accuracy']}   ({handout['recipe_estimate_s'] / row['process_s']:.1f}× the handouts' loop; "
                 f"steps {row['pretrain_train_s'] - row['pretrain_warmup_s']:.1f} s, warm-up {row['pretrain_warmup_s']:.1f} s)"
             )
-        print(f"{'scripts/evaluate.py, 500 questions':<44}{results['evaluate']['process_s']:>8.1f} s   {results['evaluate']['accuracy']}")
+        print(
+            f"{'scripts/evaluate.py, 500 questions':<44}{results['evaluate']['process_s']:>8.1f} s   {results['evaluate']['accuracy']}"
+        )
         print(
             f"{'handouts loop (estimate)':<44}{handout['recipe_estimate_s']:>8.1f} s   "
             f"({handout['pretrain_s_per_epoch']:.3f} s/epoch × 650 + {handout['finetune_s_per_epoch']:.3f} × 10 "

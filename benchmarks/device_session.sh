@@ -3,10 +3,17 @@
 #   bash benchmarks/device_session.sh python3 benchmarks/bench_recipe.py --data_dir .data --full
 # The machine has torch, transformers and accelerate but not datasets/evaluate: their wheels travel in .whl/
 # (../shared/device/wheels.sh), and the CS224N files in .data/ (both git-ignored, named in `carry`).
+#
+# Its Python packages come without bytecode caches (.pyc), which `pip install` writes on any ordinary
+# machine: every process would compile torch's and transformers' sources again (5-7 s each, measured with
+# cProfile on an H100). Bytecode goes to /tmp/pycache instead, and one import of the stack fills it before
+# anything is timed, as an install would have.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" KNOWGPT_DATA="$PWD/.data" KNOWGPT_CACHE=/tmp/knowgpt-cache
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import torch, transformers, accelerate, datasets, evaluate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
+python3 -c "import torch, transformers, accelerate, datasets, evaluate, triton, torch._inductor, torch._dynamo, sklearn, hf_knowgpt.workflows, hf_knowgpt.fused_attention; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
 exec "$@"

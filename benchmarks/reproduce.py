@@ -83,19 +83,21 @@ def variant_flags(variant: str) -> list[str]:
     return flags
 
 
-def launcher(mixed_precision: str, num_processes: int = 1) -> list[str]:
-    """`accelerate launch` with every value it would otherwise warn about given."""
+def launcher(mixed_precision: str, num_processes: int = 1) -> tuple[list[str], list[str]]:
+    """How the README launches train.py: one process is a plain `python` with `--mixed_precision`;
+    several go through `accelerate launch --multi_gpu`, every value it would otherwise warn about given.
+    Returns (what comes before the script, flags after it)."""
+    if num_processes == 1:
+        return [sys.executable], ["--mixed_precision", mixed_precision]
     accelerate = shutil.which("accelerate")
     command = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
-    command += ["--num_processes", str(num_processes), "--num_machines", "1"]
-    command += ["--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    if num_processes > 1:
-        command.append("--multi_gpu")
-    return command
+    command += ["--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1"]
+    return command + ["--mixed_precision", mixed_precision, "--dynamo_backend", "no"], []
 
 
 def train_command(variant, seed, files, output_dir, extra_flags=(), launch=()) -> list[str]:
-    """The README's one command for one row: `accelerate launch ... scripts/train.py <variant flags>`."""
+    """The README's one command for one row: `python scripts/train.py <variant flags> ...` (or `accelerate
+    launch ... scripts/train.py` for several processes)."""
     command = [*launch, str(SCRIPTS / "train.py"), *variant_flags(variant), "--seed", str(seed)]
     for flag, path in (
         ("--pretrain_corpus_path", files["corpus"]),
@@ -136,11 +138,11 @@ def score(checkpoint, eval_path, root: Path, name: str) -> float:
     return 100.0 * json.loads(outputs.with_name(outputs.name + ".metrics.json").read_text())["accuracy"]
 
 
-def run_one(variant, seed, files, output_dir, extra_flags, launch, curve_every, heldout):
+def run_one(variant, seed, files, output_dir, launch, launch_flags, extra_flags, curve_every, heldout):
     root = output_dir / f"{variant}-seed{seed}"
     shutil.rmtree(root, ignore_errors=True)  # a fresh folder: no --overwrite_output_dir in the command
     root.mkdir(parents=True)
-    flags = list(extra_flags)
+    flags = [*launch_flags, *extra_flags]
     if curve_every and seed == 0:
         flags += ["--checkpointing_steps", f"epochs:{curve_every}", "--save_total_limit", "1000"]
     run_dir = root / "run"
@@ -171,11 +173,11 @@ def run_one(variant, seed, files, output_dir, extra_flags, launch, curve_every, 
     if heldout and "finetune" in stages and "pretrain" in stages:  # is the finetuning stage worth having?
         row["pretrained_accuracy"] = score(run_dir / "pretrained", files["eval"], root, "pretrained")
     if curve_every and seed == 0:
-        row["accuracy_by_epoch"] = accuracy_by_epoch(run_dir, files, root, "finetune" in stages, launch)
+        row["accuracy_by_epoch"] = accuracy_by_epoch(run_dir, files, root, "finetune" in stages, launch, launch_flags)
     return row
 
 
-def accuracy_by_epoch(run_dir, files, root, finetunes: bool, launch):
+def accuracy_by_epoch(run_dir, files, root, finetunes: bool, launch, launch_flags):
     """Score every saved pretraining checkpoint (finetuned first, through scripts/finetune.py, when the
     variant finetunes): accuracy against pretraining epochs."""
     from hf_knowgpt.checkpoints import list_checkpoints
@@ -188,7 +190,7 @@ def accuracy_by_epoch(run_dir, files, root, finetunes: bool, launch):
             target = root / f"curve-{checkpoint.name}"
             run_logged(
                 [*launch, str(SCRIPTS / "finetune.py"), "--model_name_or_path", str(checkpoint),
-                 "--finetune_corpus_path", str(files["train"]), "--output_dir", str(target)],
+                 "--finetune_corpus_path", str(files["train"]), "--output_dir", str(target), *launch_flags],
                 root / f"curve-{checkpoint.name}.log",
             )  # fmt: skip
         points.append(
@@ -204,10 +206,10 @@ def main(argv=None):
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--heldout", type=int, default=0, help="score the last N training questions, not dev")
     parser.add_argument("--curve_every", type=int, default=0, help="pretraining epochs between curve points (seed 0)")
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"], help="every command's precision")
     parser.add_argument(
-        "--mixed_precision", default="no", choices=["no", "bf16"], help="accelerate launch's precision"
+        "--num_processes", type=int, default=1, help="processes: 1 runs python, more run accelerate launch --multi_gpu"
     )
-    parser.add_argument("--num_processes", type=int, default=1, help="accelerate launch's processes")
     parser.add_argument("--torch_compile", action="store_true", help="pass --torch_compile to every command")
     parser.add_argument("--flags", default="", help="more train.py flags for every command (quoted)")
     parser.add_argument("--output_dir", default="/tmp/knowgpt-reproduce")
@@ -221,15 +223,17 @@ def main(argv=None):
         files["test"] = None
     else:
         files["eval"], files["test"] = data_dir / "birth_dev.tsv", data_dir / "birth_test_inputs.tsv"
+    launch, launch_flags = launcher(args.mixed_precision, args.num_processes)
     extra_flags = shlex.split(args.flags) + (["--torch_compile"] if args.torch_compile else [])
-    launch = launcher(args.mixed_precision, args.num_processes)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
     rows, device = [], None
     for variant in args.variants.split(","):
         for seed in map(int, args.seeds.split(",")):
             try:
-                row = run_one(variant, seed, files, output_dir, extra_flags, launch, args.curve_every, args.heldout)
+                row = run_one(
+                    variant, seed, files, output_dir, launch, launch_flags, extra_flags, args.curve_every, args.heldout
+                )
             except Exception as error:  # record it and go on: one failed run must not cost the others
                 print(json.dumps({"variant": variant, "seed": seed, "error": repr(error)}), flush=True)
                 continue

@@ -145,9 +145,16 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
         group, "--training_path", dest=f"{section}.training_path", choices=TRAINING_PATHS,
         help="auto (default): CUDA graphs of whole steps on GPUs, eager on CPU; plain: the handouts' DataLoader way",
     )  # fmt: skip
+    if stage:
+        compile_help = "compile the model inside the graphed step (faster steps; compilation is cached between runs)"
+    else:  # finetuning's 80 steps would not repay a compilation
+        compile_help = "compile the model for pretraining (faster steps; compilation is cached between runs)"
     group.add_argument(
-        "--torch_compile", dest=f"{section}.compile", action=BooleanFlag,
-        help="compile the model inside the graphed step (faster steps; compilation is cached between runs)",
+        "--torch_compile", dest=f"{stage or 'pretrain'}.compile", action=BooleanFlag, help=compile_help
+    )  # fmt: skip
+    _value(
+        group, "--mixed_precision", dest=f"{section}.mixed_precision", choices=("no", "bf16", "fp16"),
+        help="precision (default: accelerate's configuration, e.g. accelerate launch --mixed_precision bf16)",
     )  # fmt: skip
     group.add_argument(
         "--fused_attention", dest=f"{section}.fused_attention", action=BooleanFlag,

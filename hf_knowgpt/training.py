@@ -55,6 +55,8 @@ def make_accelerator(args: TrainingArguments, cpu: bool | None = None, project_d
     together on CPUs through gloo; accelerate's own `--cpu` launcher starts several processes only with MPI.
     """
     kwargs = {"cpu": cpu if cpu is not None else not torch.cuda.is_available()}
+    if args.mixed_precision is not None:  # else accelerate's own configuration (accelerate launch --mixed_precision)
+        kwargs["mixed_precision"] = args.mixed_precision
     if args.report_to:
         kwargs.update(log_with=args.report_to, project_dir=str(project_dir or args.output_dir))
     return Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True), **kwargs)

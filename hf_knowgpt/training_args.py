@@ -30,6 +30,8 @@ class TrainingArguments:
     length_groups: int | None = None
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
     compile: bool = False  # torch.compile the model inside the graphed step
+    # "no", "bf16" or "fp16"; None: accelerate's configuration (`accelerate launch --mixed_precision`, else no)
+    mixed_precision: str | None = None
     # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
     # (attn_implementation "triton", hf_knowgpt.fused_attention) for the run, when Triton is installed.
     fused_attention: bool = True

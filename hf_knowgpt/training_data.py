@@ -206,12 +206,24 @@ def packed_token_index(
     if not count <= target <= real.numel():
         raise ValueError(f"size must lie between the {count} real tokens and the grid's {real.numel()}, got {target}")
     if target > count:
-        padding_rank = (positions[None] - lengths[:, None]).masked_fill(real, real.numel())
-        order = (padding_rank * lengths.shape[0] + torch.arange(lengths.shape[0])[:, None]).flatten()
-        extra = order.argsort()[: target - count]
-        real = real.flatten().clone()
-        real[extra] = True
+        real = real | _earliest_padding(lengths.clamp(max=seq_len), seq_len, target - count)
     return real.flatten().nonzero().squeeze(1)
+
+
+def _earliest_padding(lengths: torch.Tensor, seq_len: int, extra: int) -> torch.Tensor:
+    """(B, T) mask of `extra` padding positions taken in rounds: round k takes position lengths[b] + k of
+    every row that has one, rows in order. Counting instead of sorting the grid: this runs on the host
+    before every packed step (an argsort of the grid cost 0.5 ms of a 1.8 ms step)."""
+    padding = seq_len - lengths  # padding positions of each row
+    # available[k]: rows with a padding position at round k; taken[k]: positions taken by rounds 0..k
+    available = torch.bincount(padding, minlength=seq_len + 1).flip(0).cumsum(0).flip(0)[1:]
+    taken = available.cumsum(0)
+    full_rounds = int(torch.searchsorted(taken, torch.tensor(extra), right=True))
+    left = extra - (int(taken[full_rounds - 1]) if full_rounds else 0)
+    rank = torch.arange(seq_len)[None] - lengths[:, None]  # round of each padding position (< 0: real)
+    eligible = padding > full_rounds
+    last_round_rows = eligible & (eligible.cumsum(0) <= left)
+    return ((rank >= 0) & (rank < full_rounds)) | ((rank == full_rounds) & last_round_rows[:, None])
 
 
 __all__ = [

@@ -158,6 +158,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--length_groups", "2"], {"S.length_groups": 2}),
     ("handout", ["--training_path", "plain"], {"S.training_path": "plain"}),
     ("handout", ["--torch_compile"], {"S.compile": True}),
+    ("handout", ["--mixed_precision", "bf16"], {"S.mixed_precision": "bf16"}),
     ("handout", ["--no_fused_attention"], {"S.fused_attention": False}),
     ("handout", ["--logging_steps", "7"], {"S.log_every": 7}),
     ("handout", ["--log_every", "7"], {"S.log_every": 7}),
@@ -219,11 +220,13 @@ STAGE_FIELD_NAMES = ("max_epochs", "batch_size", "learning_rate", "final_tokens"
 def train_flag_cases():
     cases = [("handout", flags, expected) for flags, expected in STAGE_FLAGS]
     cases.append(("knowledge", ["--no_pretrain_shuffle"], {"pretrain.shuffle": False}))
+    # finetuning's 80 steps would not repay a compilation: train.py compiles the pretraining stage
+    cases.append(("handout", ["--torch_compile"], {"pretrain.compile": True}))
     for recipe, flags, expected in SINGLE_STAGE_FLAGS + PRETRAIN_ONLY_FLAGS:
         ((field, value),) = expected.items()
         if not field.startswith("S."):
             cases.append((recipe, flags, expected))
-        elif field[2:] not in STAGE_FIELD_NAMES and recipe == "handout":  # every stage's field
+        elif field[2:] not in (*STAGE_FIELD_NAMES, "compile") and recipe == "handout":  # every stage's field
             cases.append((recipe, flags, {f"{stage}.{field[2:]}": value for stage in STAGES}))
     return cases
 

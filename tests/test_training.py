@@ -99,6 +99,27 @@ def test_weight_decay_applies_to_everything_but_biases():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+def test_packed_index_takes_the_earliest_padding_of_each_row_first():
+    """The padding added to reach a size: rounds over the rows, position lengths[b] + k in round k, rows in
+    order; the same positions as sorting every padding position by (round, row)."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        rows, width = (
+            int(torch.randint(1, 12, (1,), generator=generator)),
+            int(torch.randint(1, 10, (1,), generator=generator)),
+        )
+        lengths = torch.randint(0, width + 3, (rows,), generator=generator)
+        count = int(lengths.clamp(max=width).sum())
+        size = int(torch.randint(count, rows * width + 1, (1,), generator=generator))
+        real = torch.arange(width)[None] < lengths[:, None]
+        padding = sorted(
+            (t - int(lengths[b]), b, b * width + t) for b in range(rows) for t in range(width) if not real[b, t]
+        )
+        expected = sorted([b * width + t for b in range(rows) for t in range(width) if real[b, t]]
+                          + [flat for _, _, flat in padding[: size - count]])  # fmt: skip
+        assert packed_token_index(lengths, width, size=size).tolist() == expected
+
+
 def test_packed_index_keeps_row_prefixes_and_rounds_up():
     lengths = torch.tensor([5, 2, 7])
     index = packed_token_index(lengths, 8)
