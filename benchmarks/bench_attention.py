@@ -78,7 +78,8 @@ def sdpa_fp32_with_bias(bias):
         visible = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
         mask = additive_mask(visible, torch.float32, bias[:length])
         keys = table[:length].expand_as(query)
-        return fp32_sdpa(query, keys, value, mask, scale=scale, dropout_p=dropout_p, is_causal=False)
+        attended, _ = fp32_sdpa(query, keys, value, mask, scale=scale, dropout_p=dropout_p, is_causal=False)
+        return attended
 
     return attention
 
@@ -99,7 +100,8 @@ def library_kernel(function, kernel_dtype):
     wrapped = _in_precision(function, kernel_dtype) if kernel_dtype is not None else function
 
     def attention(query, key, value, scale, dropout_p):
-        return wrapped(query, key, value, None, scale=scale, dropout_p=dropout_p, is_causal=True)
+        attended, _ = wrapped(query, key, value, None, scale=scale, dropout_p=dropout_p, is_causal=True)
+        return attended
 
     return attention
 

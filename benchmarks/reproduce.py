@@ -199,7 +199,7 @@ def accuracy_by_epoch(run_dir, files, root, finetunes: bool, launch, launch_flag
     return points
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", required=True, help="folder with wiki.txt and the three TSVs")
     parser.add_argument("--variants", default="vanilla-nopretrain,vanilla,rope,synthesizer,perceiver,knowledge")
@@ -214,8 +214,11 @@ def main(argv=None):
     parser.add_argument("--flags", default="", help="more train.py flags for every command (quoted)")
     parser.add_argument("--output_dir", default="/tmp/knowgpt-reproduce")
     parser.add_argument("--results", default=None, help="JSON file for every run")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def command_parts(args):
+    """(files by role, launcher, launcher flags, other flags) shared by every row's command."""
     data_dir, output_dir = Path(args.data_dir), Path(args.output_dir)
     files = {"corpus": data_dir / "wiki.txt", "train": data_dir / "birth_places_train.tsv"}
     if args.heldout:
@@ -225,6 +228,13 @@ def main(argv=None):
         files["eval"], files["test"] = data_dir / "birth_dev.tsv", data_dir / "birth_test_inputs.tsv"
     launch, launch_flags = launcher(args.mixed_precision, args.num_processes)
     extra_flags = shlex.split(args.flags) + (["--torch_compile"] if args.torch_compile else [])
+    return files, launch, launch_flags, extra_flags
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    files, launch, launch_flags, extra_flags = command_parts(args)
+    output_dir = Path(args.output_dir)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
     rows, device = [], None

@@ -4,7 +4,8 @@ possible.
 `import hf_knowgpt` must stay cheap (it loads neither torch nor transformers), yet after it
 `AutoModelForCausalLM.from_pretrained(path)` must know KnowGPT. So each registration runs when the
 transformers module it extends is first imported (an import hook on four module names), or at once when
-that module is already loaded. `register_auto_classes()` does all of them now.
+that module is already loaded, and never while one of this package's own modules is half-imported.
+`register_auto_classes()` does all of them now.
 """
 
 import importlib.abc
@@ -65,15 +66,25 @@ REGISTRATIONS = {
 }
 
 
-def _run(module_name: str):
-    """Run a registration, or queue it while another one runs: registering imports our modules, and a
-    registration that fired inside that import would meet them half-initialized."""
+# Our modules that registrations import: a registration waits while one of them is half-imported (a watched
+# transformers module can load in the middle of importing ours, e.g. modeling_layers → models.auto).
+OUR_MODULES = tuple(
+    f"hf_knowgpt.{name}"
+    for name in ("configuration_knowgpt", "modeling_knowgpt", "tokenization_knowgpt", "pipeline_birthplace_qa")
+)
+
+
+def _initializing(module_name: str) -> bool:
+    spec = getattr(sys.modules.get(module_name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
+def _flush(finished: str | None = None):
+    """Run the queued registrations, unless one is running or one of our modules (other than `finished`,
+    whose body has just run) is still being imported; the end of that import flushes again."""
     global _BUSY
     with _LOCK:
-        if module_name in _DONE or module_name in _PENDING:
-            return
-        _PENDING.append(module_name)
-        if _BUSY:
+        if _BUSY or any(_initializing(name) for name in OUR_MODULES if name != finished):
             return
         _BUSY = True
         try:
@@ -84,15 +95,28 @@ def _run(module_name: str):
                 _PENDING.pop(0)
         finally:
             _BUSY = False
-            _PENDING.clear()
+
+
+def _loaded(module_name: str):
+    """A watched transformers module has loaded: queue what registers with it, and run the queue."""
+    with _LOCK:
+        if module_name not in _DONE and module_name not in _PENDING:
+            _PENDING.append(module_name)
+    _flush()
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the watched modules it asks the other finders and wraps the loader, so the
-    registration runs right after the module has executed."""
+    """Finds nothing itself: for the watched transformers modules and our own, it asks the other finders and
+    wraps the loader, so that queued registrations run right after the module has executed."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in REGISTRATIONS or fullname in _DONE:
+        if fullname in REGISTRATIONS:
+            if fullname in _DONE:
+                return None
+            after = _loaded
+        elif fullname in OUR_MODULES:
+            after = lambda name: _flush(finished=name)  # noqa: E731
+        else:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -109,7 +133,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             execute(module)
-            _run(fullname)
+            after(fullname)
 
         loader.exec_module = exec_module
         return spec
@@ -120,18 +144,18 @@ _HOOK = _RegisterAfterImport()
 
 def install():
     """Register with every watched module that is loaded, and hook the imports of the others."""
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
     for name in REGISTRATIONS:
         if name in sys.modules:
-            _run(name)
-    if not all(name in _DONE for name in REGISTRATIONS) and _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
+            _loaded(name)
 
 
 def register_auto_classes():
     """Register everything now (imports transformers' Auto modules and pipelines)."""
     for name in REGISTRATIONS:
         importlib.import_module(name)
-        _run(name)
+        _loaded(name)
 
 
 __all__ = ["install", "register_auto_classes"]

@@ -35,11 +35,16 @@ class BooleanFlag(argparse.Action):
         return " | ".join(self.option_strings)
 
 
-def _value(group, *names, dest, help, **kwargs):
-    """A flag that sets the field `dest` (a qualified name) when given, and is absent otherwise."""
-    if "choices" not in kwargs:
-        kwargs["metavar"] = names[0][2:].upper()
-    group.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=help, **kwargs)
+def _value(group, name, dest, help, aliases=(), **kwargs):
+    """A flag that sets the field `dest` (a qualified name) when given, and is absent otherwise. `aliases`
+    are accepted too and named in the help text, not listed as flags of their own."""
+    if "choices" not in kwargs and kwargs.get("action") is None:
+        kwargs["metavar"] = name[2:].upper()
+    if aliases:
+        help = f"{help} (also {', '.join(aliases)})"
+    group.add_argument(name, dest=dest, default=argparse.SUPPRESS, help=help, **kwargs)
+    for alias in aliases:
+        group.add_argument(alias, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
 
 def add_recipe_argument(parser):
@@ -91,17 +96,34 @@ def add_data_arguments(parser: argparse.ArgumentParser):
     )
 
 
+def _tracker(value: str):
+    """--report_to's value: "tensorboard" (also "all", the only tracker installed), or "none" for None."""
+    value = value.lower()
+    if value == "none":
+        return None
+    return "tensorboard" if value == "all" else value
+
+
 def add_stage_arguments(group, stage: str, prefix: str = ""):
     """The flags of the fields in STAGE_FIELDS for one stage; `prefix` names the stage in train.py."""
     flag = f"--{prefix}"
-    epochs_names = [f"{flag}max_epochs"] if prefix else ["--num_train_epochs", "--max_epochs"]
-    _value(group, *epochs_names, dest=f"{stage}.max_epochs", type=int, help=f"{stage} epochs")
+    if prefix:
+        _value(group, f"{flag}max_epochs", dest=f"{stage}.max_epochs", type=int, help=f"{stage} epochs")
+    else:  # transformers' name, and the handouts'
+        _value(group, "--num_train_epochs", f"{stage}.max_epochs", "epochs", aliases=["--max_epochs"], type=int)
     _value(
         group, f"{flag}batch_size", dest=f"{stage}.batch_size", type=int,
         help=f"{stage} global batch size, split across processes",
     )  # fmt: skip
-    lr_names = [f"{flag}learning_rate"] + ([f"--{prefix[:-1]}_lr"] if prefix else [])
-    _value(group, *lr_names, dest=f"{stage}.learning_rate", type=float, help=f"{stage} peak learning rate")
+    _value(
+        group, f"{flag}per_device_train_batch_size", dest=f"{stage}.per_device_train_batch_size", type=int,
+        help=f"{stage} batch size per process (the global batch is this × processes; instead of {flag}batch_size)",
+    )  # fmt: skip
+    lr_aliases = [f"--{prefix[:-1]}_lr"] if prefix else []
+    _value(
+        group, f"{flag}learning_rate", f"{stage}.learning_rate", f"{stage} peak learning rate",
+        aliases=lr_aliases, type=float,
+    )  # fmt: skip
     _value(
         group, f"{flag}final_tokens", dest=f"{stage}.final_tokens", type=int,
         help=f"{stage}: tokens at which the cosine reaches 10%% of the peak",
@@ -129,8 +151,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
         group, "--weight_decay", dest=f"{section}.weight_decay", type=float, help="AdamW decay on all but biases (0.1)"
     )
     _value(
-        group, "--max_grad_norm", "--grad_norm_clip", dest=f"{section}.grad_norm_clip", type=float,
-        help="gradient norm clipping (1.0)",
+        group, "--max_grad_norm", f"{section}.grad_norm_clip", "gradient norm clipping (1.0)",
+        aliases=["--grad_norm_clip"], type=float,
     )  # fmt: skip
     _value(group, "--warmup_tokens", dest=f"{section}.warmup_tokens", type=int, help="linear warmup tokens (512·20)")
     group.add_argument(
@@ -161,16 +183,18 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
         help="bf16 on a GPU: the fused Triton attention kernel (default on)",
     )  # fmt: skip
     _value(
-        group,
-        "--logging_steps",
-        "--log_every",
-        dest=f"{section}.log_every",
-        type=int,
-        help="steps between loss reports (50)",
-    )
+        group, "--logging_steps", f"{section}.log_every", "steps between loss reports (50)",
+        aliases=["--log_every"], type=int,
+    )  # fmt: skip
     _value(
-        group, "--report_to", dest=f"{section}.report_to", choices=["tensorboard"], help="log scalars to TensorBoard"
-    )
+        group, "--report_to", f"{section}.report_to", "log loss and learning rate to TensorBoard, in OUTPUT_DIR/runs "
+        "(all: every tracker installed, here TensorBoard; none: no tracking)",
+        type=_tracker, choices=["tensorboard", None],
+    )  # fmt: skip
+    group.add_argument(
+        "--with_tracking", dest=f"{section}.report_to", action="store_const", const="tensorboard",
+        default=argparse.SUPPRESS, help="track the run (as --report_to tensorboard)",
+    )  # fmt: skip
     _value(
         group, "--checkpointing_steps", dest=f"{section}.checkpointing_steps",
         help="save a resumable checkpoint every N steps, 'epoch' or 'epochs:K'",

@@ -27,6 +27,8 @@ class KnowGPTConfig(PretrainedConfig):
             With the kernel in bf16 or fp16 the handouts' recipe diverges in bf16 at its learning rate of
             6e-3; in fp32 it trains like fp32 (benchmarks/precision_study.py). Nothing changes in fp32.
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
+        eos_token_id (`int`): "⁇" (1), which closes every answer (`question⁇answer⁇`), so generation stops
+            after the answer; the generation config takes it from here.
     """
 
     model_type = "knowgpt"
@@ -57,7 +59,7 @@ class KnowGPTConfig(PretrainedConfig):
     mask_token_id: int | None = 1
     unk_token_id: int | None = None
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | None = 1
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -116,7 +118,7 @@ class KnowGPTConfig(PretrainedConfig):
                     "KnowGPTConfig.n_layer must be >= 2 for attention_type 'perceiver' (a down-projection "
                     f"and an up-projection block around n_layer - 2 latent blocks), got {self.n_layer}"
                 )
-        for name in ("pad_token_id", "mask_token_id", "unk_token_id"):
+        for name in ("pad_token_id", "mask_token_id", "unk_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
                 raise ValueError(

@@ -26,9 +26,13 @@ from torch.nn import functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 
 from .configuration_knowgpt import KnowGPTConfig
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.2x renamed the cache field of model outputs and the forward keyword from
 # `past_key_values` to `cache`; the model accepts both and fills whichever the installed version has.
@@ -37,6 +41,16 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 def _with_cache(output_class, cache, **fields):
     return output_class(**fields, **{_CACHE_FIELD: cache})
+
+
+def _deprecated_cache_keyword(forward):
+    """Where transformers renamed `past_key_values` to `cache`, the old keyword still works and warns as
+    transformers' own models do (their removal version); older versions pass it as the current name."""
+    if _CACHE_FIELD != "cache":
+        return forward
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    return deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")(forward)
 
 
 def supports_fused_attention(*args, **kwargs) -> bool:
@@ -103,7 +117,8 @@ class AttentionContext:
     """Positions and visibility shared by every attention layer of one forward call.
 
     `causal_only` marks the training case (no cache, no padding mask): attention is plain causal
-    over the index and the fused kernels run without an explicit mask.
+    over the index and the fused kernels run without an explicit mask. `implementation` is the attention
+    implementation of this call: the config's, or "eager" when the attention weights are asked for.
     """
 
     query_positions: torch.Tensor  # (B or 1, Tq)
@@ -111,6 +126,7 @@ class AttentionContext:
     key_valid: torch.Tensor | None  # (B, Tk) bool, False for padding
     causal_only: bool
     positions_are_indices: bool = False  # query t (of every row) is at position t: no position_ids, no past
+    implementation: str = "sdpa"
 
     def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
         """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
@@ -135,18 +151,22 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor 
     return mask
 
 
-# Attention functions take (B, H, T, D) queries, keys and values. `lengths` (B,), when given, marks the
-# positions from lengths[b] on as right padding whose outputs are discarded: kernels may skip them.
+# Attention functions take (B, H, T, D) queries, keys and values and return (output, weights): the
+# attention probabilities (B, H, Tq, Tk) from the eager function, None from the fused ones. `lengths` (B,),
+# when given, marks the positions from lengths[b] on as right padding whose outputs are discarded: kernels
+# may skip them.
 
 
 def sdpa_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None):
-    return F.scaled_dot_product_attention(
+    attended = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
     )
+    return attended, None
 
 
 def eager_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None):
-    """Unfused attention, as the handouts compute it; also the reference for the fused kernels."""
+    """Unfused attention, as the handouts compute it; the reference for the fused kernels, and the one that
+    returns its weights (after dropout, as transformers' eager attention does)."""
     scores = torch.matmul(query, key.transpose(-2, -1)) * scale
     if is_causal:
         causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
@@ -155,7 +175,7 @@ def eager_attention(query, key, value, mask, scale, dropout_p, is_causal, length
         scores = scores + mask
     weights = F.softmax(scores.float(), dim=-1).to(value.dtype)
     weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(weights, value)
+    return torch.matmul(weights, value), weights
 
 
 def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None, fallback=sdpa_attention):
@@ -165,15 +185,16 @@ def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengt
     perceiver's cross-attention, CPU. (Packed training calls the kernel directly, the synthesizer's keys by
     position and bias included.)"""
     if supports_fused_attention(query, key, value, mask, is_causal):
-        return fused_causal_attention(query, key, value, scale, dropout_p, lengths=lengths)
+        return fused_causal_attention(query, key, value, scale, dropout_p, lengths=lengths), None
     return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
 
 
 ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_attention}
 
 
-def attention_function(config: KnowGPTConfig):
-    implementation = config._attn_implementation or "sdpa"
+def attention_function(config: KnowGPTConfig, implementation: str | None = None):
+    """The attention function of `implementation` (default: the config's), in the config's kernel dtype."""
+    implementation = implementation or config._attn_implementation or "sdpa"
     if implementation not in ATTENTION_FUNCTIONS:
         raise ValueError(
             f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {implementation!r}"
@@ -196,8 +217,10 @@ def _in_precision(function, kernel_dtype: torch.dtype):
             return function(query, key, value, mask, **options)
         mask = mask.to(kernel_dtype) if mask is not None else None  # bf16's minimum becomes -inf in fp16
         with torch.autocast(query.device.type, enabled=False):
-            attended = function(query.to(kernel_dtype), key.to(kernel_dtype), value.to(kernel_dtype), mask, **options)
-        return attended.to(query.dtype)
+            attended, weights = function(
+                query.to(kernel_dtype), key.to(kernel_dtype), value.to(kernel_dtype), mask, **options
+            )
+        return attended.to(query.dtype), None if weights is None else weights.to(query.dtype)
 
     return attention_in_precision
 
@@ -244,9 +267,7 @@ def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tenso
     return list(projected.split([layer.out_features for layer in layers], dim=-1))
 
 
-def reads_packed_tokens(
-    config: KnowGPTConfig, grid: "TokenGrid", context: "AttentionContext", cache, by_position: bool
-):
+def reads_packed_tokens(grid: "TokenGrid", context: "AttentionContext", cache, by_position: bool):
     """Packed training with the fused kernel: it reads the packed tokens as they are. Attention that depends
     on positions (rope, the synthesizer's keys) takes them as each token's index in its row, so it needs
     positions that are those indices. (Where the kernel then turns out not to take the tensors, fp32 say,
@@ -256,7 +277,7 @@ def reads_packed_tokens(
         and cache is None
         and context.causal_only
         and (context.positions_are_indices or not by_position)
-        and config._attn_implementation == "triton"
+        and context.implementation == "triton"
     )
 
 
@@ -295,9 +316,10 @@ class KnowGPTSelfAttention(nn.Module):
         return [states.unflatten(-1, (self.n_head, self.head_dim)) for states in projected]
 
     def _packed_kernel_applies(self, grid: TokenGrid, context: AttentionContext, cache) -> bool:
-        return reads_packed_tokens(self.config, grid, context, cache, by_position=self.rotary)
+        return reads_packed_tokens(grid, context, cache, by_position=self.rotary)
 
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
+        """(output, attention weights (B, H, T, past + T) or None when the implementation has none)."""
         packed_kernel = self._packed_kernel_applies(grid, context, cache)
         query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -311,7 +333,7 @@ class KnowGPTSelfAttention(nn.Module):
                 query, key, value, scale, dropout_p,
                 lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, rotary=rotary,
             )  # fmt: skip
-            return self.resid_dropout(self.proj(attended.flatten(-2)))
+            return self.resid_dropout(self.proj(attended.flatten(-2))), None
         if packed_kernel:  # the kernel does not take these tensors after all: through the grid as usual
             query, key, value = (grid.to_grid(states) for states in (query, key, value))
         if self.rotary:
@@ -322,7 +344,7 @@ class KnowGPTSelfAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         mask = None if context.causal_only else additive_mask(context.visibility(), query.dtype)
-        attended = attention_function(self.config)(
+        attended, weights = attention_function(self.config, context.implementation)(
             query,
             key,
             value,
@@ -332,7 +354,7 @@ class KnowGPTSelfAttention(nn.Module):
             is_causal=context.causal_only,
             lengths=grid.row_lengths,
         )
-        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended))))
+        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended)))), weights
 
 
 class KnowGPTSynthesizerAttention(nn.Module):
@@ -357,7 +379,8 @@ class KnowGPTSynthesizerAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
-        packed_kernel = reads_packed_tokens(self.config, grid, context, cache, by_position=True)
+        """(output, its softmax weights (B, H, T, past + T) or None when the implementation has none)."""
+        packed_kernel = reads_packed_tokens(grid, context, cache, by_position=True)
         features, value = project(hidden_states, (self.w1, self.value), None if packed_kernel else grid.to_grid)
         features = F.relu(features)
         dropout_p = self.config.attn_pdrop if self.training else 0.0
@@ -370,7 +393,7 @@ class KnowGPTSynthesizerAttention(nn.Module):
                     features, keys, value, 1.0, dropout_p,
                     lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, bias=self.b2,
                 )  # fmt: skip
-                return self.resid_dropout(self.proj(attended.flatten(-2)))
+                return self.resid_dropout(self.proj(attended.flatten(-2))), None
             features, value = (grid.to_grid(states.flatten(-2)) for states in (features, value))
         features, value = split_heads(features, self.n_head), split_heads(value, self.n_head)
         # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t.
@@ -381,7 +404,7 @@ class KnowGPTSynthesizerAttention(nn.Module):
         key = key.expand(value.shape[0], self.n_head, -1, -1)
         bias = self.b2[context.key_positions][:, None, None, :]
         visible = context.visibility()
-        attended = attention_function(self.config)(
+        attended, weights = attention_function(self.config, context.implementation)(
             features,
             key,
             value,
@@ -390,7 +413,7 @@ class KnowGPTSynthesizerAttention(nn.Module):
             dropout_p=dropout_p,
             is_causal=False,
         )
-        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended))))
+        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended)))), weights
 
 
 class KnowGPTCrossAttention(nn.Module):
@@ -407,10 +430,11 @@ class KnowGPTCrossAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
-    def forward(self, query_states, key, value, visible):
-        """query_states: (B, Tq, C); key, value: (B, h, Tk, d) already projected; visible: (B, 1, Tq, Tk)."""
+    def forward(self, query_states, key, value, visible, implementation: str):
+        """query_states: (B, Tq, C); key, value: (B, h, Tk, d) already projected; visible: (B, 1, Tq, Tk).
+        Returns (output, attention weights (B, H, Tq, Tk) or None)."""
         query = split_heads(self.query(query_states), self.n_head)
-        attended = attention_function(self.config)(
+        attended, weights = attention_function(self.config, implementation)(
             query,
             key,
             value,
@@ -419,14 +443,15 @@ class KnowGPTCrossAttention(nn.Module):
             dropout_p=self.config.attn_pdrop if self.training else 0.0,
             is_causal=False,
         )
-        return self.resid_dropout(self.proj(merge_heads(attended)))
+        return self.resid_dropout(self.proj(merge_heads(attended))), weights
 
     def project_context(self, context_states):
         return split_heads(self.key(context_states), self.n_head), split_heads(self.value(context_states), self.n_head)
 
 
-class KnowGPTBlock(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+class KnowGPTBlock(GradientCheckpointingLayer):
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). Returns (states, attention
+    weights or None)."""
 
     def __init__(self, config: KnowGPTConfig, layer_idx: int):
         super().__init__()
@@ -439,14 +464,16 @@ class KnowGPTBlock(nn.Module):
         self.mlp = KnowGPTMLP(config)
 
     def forward(self, hidden_states, grid, context, cache=None):
-        hidden_states = hidden_states + self.attn(self.ln1(hidden_states), grid, context, cache)
-        return hidden_states + self.mlp(self.ln2(hidden_states))
+        attended, weights = self.attn(self.ln1(hidden_states), grid, context, cache)
+        hidden_states = hidden_states + attended
+        return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
 
-class KnowGPTPerceiverDownBlock(nn.Module):
+class KnowGPTPerceiverDownBlock(GradientCheckpointingLayer):
     """The basis C (bottleneck_dim × n_embd) cross-attends to the embedded input; latent j sees inputs up to position j.
 
-    Following the 2023 handout's hints, the LayerNorm goes on C (the queries) and on the MLP input.
+    Following the 2023 handout's hints, the LayerNorm goes on C (the queries) and on the MLP input. Returns
+    (latents, attention weights (B, H, bottleneck_dim, T) or None).
     """
 
     def __init__(self, config: KnowGPTConfig):
@@ -457,16 +484,18 @@ class KnowGPTPerceiverDownBlock(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = KnowGPTMLP(config)
 
-    def forward(self, input_key, input_value, visible):
+    def forward(self, input_key, input_value, visible, implementation="sdpa"):
         basis = self.C.expand(input_key.shape[0], -1, -1)
-        latents = basis + self.attn(self.ln1(basis), input_key, input_value, visible)
-        return latents + self.mlp(self.ln2(latents))
+        attended, weights = self.attn(self.ln1(basis), input_key, input_value, visible, implementation)
+        latents = basis + attended
+        return latents + self.mlp(self.ln2(latents)), weights
 
 
-class KnowGPTPerceiverUpBlock(nn.Module):
+class KnowGPTPerceiverUpBlock(GradientCheckpointingLayer):
     """The embedded input cross-attends to the bottleneck output; position t sees latents up to t.
 
-    Following the 2023 handout's hints, the LayerNorm goes on the latents (keys and values) and on the MLP input.
+    Following the 2023 handout's hints, the LayerNorm goes on the latents (keys and values) and on the MLP
+    input. Returns (states, attention weights (B, H, T, bottleneck_dim) or None).
     """
 
     def __init__(self, config: KnowGPTConfig):
@@ -476,11 +505,11 @@ class KnowGPTPerceiverUpBlock(nn.Module):
         self.ln2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = KnowGPTMLP(config)
 
-    def forward(self, input_states, latents, grid: TokenGrid, visible):
+    def forward(self, input_states, latents, grid: TokenGrid, visible, implementation="sdpa"):
         key, value = self.attn.project_context(self.ln1(latents))
-        attended = self.attn(grid.to_grid(input_states), key, value, visible)
+        attended, weights = self.attn(grid.to_grid(input_states), key, value, visible, implementation)
         hidden_states = input_states + grid.from_grid(attended)
-        return hidden_states + self.mlp(self.ln2(hidden_states))
+        return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
 
 class KnowGPTPreTrainedModel(PreTrainedModel):
@@ -488,7 +517,7 @@ class KnowGPTPreTrainedModel(PreTrainedModel):
     config: KnowGPTConfig
     base_model_prefix = "transformer"
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["KnowGPTBlock", "KnowGPTPerceiverDownBlock", "KnowGPTPerceiverUpBlock"]
     _supports_sdpa = True
     _supports_flash_attn = False
@@ -558,6 +587,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
     def set_input_embeddings(self, value):
         self.tok_emb = value
 
+    @_deprecated_cache_keyword
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -566,6 +596,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         token_index: torch.LongTensor | None = None,
@@ -573,29 +604,55 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         r"""
+        output_attentions (`bool`, *optional*, defaults to `config.output_attentions`):
+            Return each layer's attention probabilities (after dropout), computed with the eager implementation
+            for this call when the model runs another one (the fused kernels keep no weights). Vanilla and rope:
+            n_layer tensors (B, n_head, T, past + T); synthesizer: its softmax weights, the same shapes. The
+            perceiver's n_layer tensors are, in order: the down-projection's cross-attention of the
+            bottleneck_dim latents over the input (B, n_head, bottleneck_dim, past + T), the n_layer - 2
+            latent self-attentions (B, n_head, bottleneck_dim, bottleneck_dim), and the up-projection's
+            cross-attention of the input over the latents (B, n_head, T, bottleneck_dim).
+        output_hidden_states (`bool`, *optional*, defaults to `config.output_hidden_states`):
+            Return n_layer + 1 hidden states: the embeddings, then each block's output (the last after the
+            final LayerNorm). For the perceiver: the embeddings (T positions), the down-projection's output
+            and each latent block's (bottleneck_dim positions each), then the up-projection's (T positions).
         token_index (`torch.LongTensor` of shape `(num_tokens,)`, *optional*):
             Flat indices (b·T + t) of the positions to compute, a prefix of each row; the others are right
             padding and are skipped. Hidden states then come back packed, shaped (num_tokens, n_embd).
             Training-only: it cannot be combined with a cache or an attention mask.
         """
-        past_key_values = past_key_values if past_key_values is not None else cache
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = getattr(config, "return_dict", True) if return_dict is None else return_dict
+        if past_key_values is not None and cache is not None:
+            raise ValueError("pass the KV cache once: as `cache` (or, on older transformers, `past_key_values`)")
+        cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("KnowGPTModel.forward needs exactly one of input_ids or inputs_embeds")
         batch_size, seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         if use_cache is None:
-            use_cache = self.config.use_cache and not self.training and token_index is None
-        if token_index is not None and (use_cache or past_key_values is not None or attention_mask is not None):
+            use_cache = config.use_cache and token_index is None
+        if token_index is not None and (use_cache or cache is not None or attention_mask is not None):
             raise ValueError("token_index (packed training) cannot be combined with a cache or an attention_mask")
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if past_length + seq_len > self.config.block_size:
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        past_length = cache.get_seq_length() if cache is not None else 0
+        if past_length + seq_len > config.block_size:
             raise ValueError(
-                f"KnowGPT sees at most block_size={self.config.block_size} positions, got "
+                f"KnowGPT sees at most block_size={config.block_size} positions, got "
                 f"{past_length} cached + {seq_len} new"
             )
 
+        implementation = config._attn_implementation or "sdpa"
+        if output_attentions and implementation != "eager":
+            logger.warning_once(
+                f"KnowGPT: output_attentions=True runs attention with the eager implementation for these calls: "
+                f"the {implementation!r} kernels keep no attention weights."
+            )
+            implementation = "eager"
         context = self._attention_context(batch_size, seq_len, past_length, attention_mask, position_ids)
+        context.implementation = implementation
         grid = TokenGrid(batch_size, seq_len, token_index)
         if inputs_embeds is None:
             inputs_embeds = self.tok_emb(grid.from_grid(input_ids))
@@ -605,27 +662,26 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         if self.pos_emb is not None:
             positions = context.query_positions.expand(batch_size, seq_len)
             hidden_states = hidden_states + self.pos_emb(grid.from_grid(positions))
-        hidden_states = self.drop(hidden_states)
+        embeddings = hidden_states = self.drop(hidden_states)
 
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
-        if self.config.attention_type == "perceiver":
-            hidden_states = self._perceiver_forward(hidden_states, grid, context, past_key_values, all_hidden_states)
+        if config.attention_type == "perceiver":
+            hidden_states, states, attentions = self._perceiver_forward(hidden_states, grid, context, cache)
         else:
+            states, attentions = [], []
             for block in self.blocks:
-                hidden_states = block(hidden_states, grid, context, past_key_values)
-                if output_hidden_states:
-                    all_hidden_states += (hidden_states,)
+                hidden_states, weights = block(hidden_states, grid, context, cache=cache)
+                states.append(hidden_states)
+                attentions.append(weights)
         hidden_states = self.ln_f(hidden_states)
-        if output_hidden_states:
-            all_hidden_states = all_hidden_states[:-1] + (hidden_states,)
 
         output = _with_cache(
             BaseModelOutputWithPast,
-            past_key_values if use_cache else None,
+            cache if use_cache else None,
             last_hidden_state=hidden_states,
-            hidden_states=all_hidden_states,
+            hidden_states=(embeddings, *states[:-1], hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if return_dict else output.to_tuple()
 
     def _attention_context(self, batch_size, seq_len, past_length, attention_mask, position_ids):
         device = self.tok_emb.weight.device
@@ -651,8 +707,9 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         query_positions = position_ids if position_ids is not None else key_positions[:, past_length:]
         return AttentionContext(query_positions, key_positions, key_valid, causal_only=False)
 
-    def _perceiver_forward(self, input_states, grid, context, cache, all_hidden_states):
-        """Down-project, run the latent blocks, up-project.
+    def _perceiver_forward(self, input_states, grid, context, cache):
+        """Down-project, run the latent blocks, up-project: (output, each block's output, each block's
+        attention weights or None).
 
         With a cache, only the down-projection's keys and values of the input are stored (layer 0): the
         bottleneck is recomputed from them at each step, which keeps it exact under any padding.
@@ -663,20 +720,20 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             input_key, input_value = cache.update(input_key, input_value, 0)
         n_latents = self.config.bottleneck_dim
         latent_positions = torch.arange(n_latents, device=input_states.device)[None]
-        latents = down(input_key, input_value, context.visibility(query_positions=latent_positions))
-        latent_context = AttentionContext(latent_positions, latent_positions, None, causal_only=True)
+        down_visible = context.visibility(query_positions=latent_positions)
+        latents, weights = down(input_key, input_value, down_visible, implementation=context.implementation)
+        states, attentions = [latents], [weights]
+        latent_context = AttentionContext(
+            latent_positions, latent_positions, None, causal_only=True, implementation=context.implementation
+        )
         latent_grid = TokenGrid(latents.shape[0], n_latents)
-        if all_hidden_states is not None:
-            all_hidden_states += (latents,)
         for block in self.blocks:
-            latents = block(latents, latent_grid, latent_context, None)
-            if all_hidden_states is not None:
-                all_hidden_states += (latents,)
+            latents, weights = block(latents, latent_grid, latent_context)
+            states.append(latents)
+            attentions.append(weights)
         query_visible = context.visibility(key_positions=latent_positions, key_valid=None)
-        hidden_states = up(input_states, latents, grid, query_visible)
-        if all_hidden_states is not None:
-            all_hidden_states += (hidden_states,)
-        return hidden_states
+        hidden_states, weights = up(input_states, latents, grid, query_visible, implementation=context.implementation)
+        return hidden_states, [*states, hidden_states], [*attentions, weights]
 
 
 class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
@@ -703,6 +760,7 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @_deprecated_cache_keyword
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -712,30 +770,42 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         token_index: torch.LongTensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
         cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         r"""
         labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
             Targets aligned with `input_ids` (shifted inside the model); -100 is ignored.
+        shift_labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Targets already shifted (position t predicts shift_labels[t]), as transformers' causal-LM loss takes
+            them; used instead of `labels` when given.
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*):
+            The loss is the sum over targets divided by this (the batch's trained targets over all processes and
+            accumulation steps) instead of the mean, as in transformers' causal-LM loss.
         token_index (`torch.LongTensor` of shape `(num_tokens,)`, *optional*):
             See `KnowGPTModel.forward`: compute only these positions; logits come back packed, shaped
             (num_tokens, vocab_size), and the loss is the same as the dense loss.
+        output_attentions, output_hidden_states: see `KnowGPTModel.forward`.
         """
+        return_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
         outputs = self.transformer(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values if past_key_values is not None else cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
             token_index=token_index,
+            **{_CACHE_FIELD: cache if cache is not None else past_key_values},
         )
         hidden_states = outputs.last_hidden_state
         if token_index is None and logits_to_keep:
@@ -743,9 +813,9 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
         logits = self.lm_head(hidden_states)
 
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             # Position t predicts labels[t + 1]; the last position has no target.
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            targets = shift_labels if shift_labels is not None else F.pad(labels[:, 1:], (0, 1), value=-100)
             if token_index is not None:
                 targets = targets.reshape(-1).index_select(0, token_index)
             elif logits_to_keep:
@@ -758,16 +828,20 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if return_dict else output.to_tuple()
 
 
 def causal_lm_loss(logits, targets, num_items_in_batch=None):
-    """Mean cross-entropy over targets that are not -100 (a sum over `num_items_in_batch` when given)."""
+    """Mean cross-entropy over targets that are not -100, or their sum over `num_items_in_batch` when given
+    (transformers' causal-LM loss)."""
     logits = logits.reshape(-1, logits.shape[-1]).float()
     targets = targets.reshape(-1).to(logits.device)
     if num_items_in_batch is None:
         return F.cross_entropy(logits, targets, ignore_index=-100)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(logits.device)
     return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 

@@ -8,10 +8,12 @@ from .qa import HANDOUT_MAX_NEW_TOKENS, Prediction, as_question, predict_birthpl
 class BirthplaceQAPipeline(Pipeline):
     """Answers "Where was X born?" (or a bare name) with a KnowGPT checkpoint.
 
-    Returns `{"question", "answer", "score", "log_probability", "abstained"}` per question; `score` is the
-    model's probability of the whole answer with its closing ⁇. With `threshold=t`, an answer scored below
-    t is withheld: `answer` is None, `abstained` is True, and `best_guess` keeps what it would have said.
-    Lists are answered in batches of `batch_size` (greedy decoding with the KV cache).
+    Returns `{"question", "answer", "score", "log_probability", "abstained", "truncated"}` per question;
+    `score` is the model's probability of the whole answer with its closing ⁇. With `threshold=t`, an answer
+    scored below t is withheld: `answer` is None, `abstained` is True, and `best_guess` keeps what it would
+    have said. A question so long that the model's block left too little room for its answer (it ran out of
+    positions before the closing ⁇) is withheld the same way with `truncated` True: the fragment is never
+    given as an answer. Lists are answered in batches of `batch_size` (greedy decoding with the KV cache).
     """
 
     _load_processor = False
@@ -58,8 +60,9 @@ class BirthplaceQAPipeline(Pipeline):
             "score": prediction.score,
             "log_probability": prediction.log_probability,
             "abstained": False,
+            "truncated": prediction.truncated,
         }
-        if threshold is not None and prediction.score < threshold:
+        if prediction.truncated or (threshold is not None and prediction.score < threshold):
             result.update(answer=None, abstained=True, best_guess=prediction.answer)
         return result
 

@@ -34,6 +34,9 @@ class Prediction:
     answer: str  # the text up to the closing ⁇ (or all generated text when none came)
     log_probability: float  # of the answer's characters and its closing ⁇
     closed: bool  # whether the model wrote the closing ⁇
+    # the question left fewer than max_new_tokens positions of the block and the answer ran out of them
+    # unclosed: what came out is a fragment, not an answer
+    truncated: bool = False
 
     @property
     def score(self) -> float:
@@ -85,7 +88,9 @@ def predict_birthplaces(
             end = ids.index(MASK_ID) if closed else len(ids)
             answer = tokenizer.decode(ids[:end])
             scored = end + 1 if closed else end
-            predictions.append(Prediction(question, answer, float(token_log_probs[row, :scored].sum()), closed))
+            truncated = not closed and new_tokens < max_new_tokens
+            log_probability = float(token_log_probs[row, :scored].sum())
+            predictions.append(Prediction(question, answer, log_probability, closed, truncated))
     model.train(was_training)
     return predictions
 

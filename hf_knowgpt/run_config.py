@@ -109,6 +109,18 @@ def check_given(given: dict):
         "pretrain": TRAINING_FIELDS,
         "finetune": TRAINING_FIELDS,
     }
+    for stage in STAGES:
+        both = [
+            f"{section}.{name}" for section in ("run", stage) for name in ("batch_size", "per_device_train_batch_size")
+        ]
+        given_batches = [name for name in both if name in given]
+        if any("per_device" in name for name in given_batches) and any(
+            "per_device" not in name for name in given_batches
+        ):
+            raise ValueError(
+                f"contradictory settings {', '.join(given_batches)}: give the global batch (batch_size) or the "
+                "batch per process (per_device_train_batch_size), not both"
+            )
     for name in given:
         section, _, field_name = name.partition(".")
         if section not in allowed or field_name not in allowed[section]:

@@ -24,7 +24,7 @@ import os
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +48,7 @@ from .training_data import TrainingBatch, packed_token_index
 logger = logging.getLogger(__name__)
 
 
-def make_accelerator(args: TrainingArguments, cpu: bool | None = None, project_dir=None) -> Accelerator:
+def make_accelerator(args: TrainingArguments, cpu: bool | None = None) -> Accelerator:
     """One global batch of `batch_size` is split across processes, as one device would see it.
 
     Without a GPU the processes of `accelerate launch --multi_gpu --num_processes N` (torchrun) train
@@ -58,8 +58,13 @@ def make_accelerator(args: TrainingArguments, cpu: bool | None = None, project_d
     if args.mixed_precision is not None:  # else accelerate's own configuration (accelerate launch --mixed_precision)
         kwargs["mixed_precision"] = args.mixed_precision
     if args.report_to:
-        kwargs.update(log_with=args.report_to, project_dir=str(project_dir or args.output_dir))
+        kwargs.update(log_with=args.report_to, project_dir=str(tracking_dir(args)))
     return Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True), **kwargs)
+
+
+def tracking_dir(args: TrainingArguments) -> Path:
+    """Where TensorBoard logs go: output_dir/runs/<run_name>, as transformers' Trainer puts them."""
+    return Path(args.output_dir) / "runs"
 
 
 class _StopRequested:
@@ -176,9 +181,11 @@ class KnowGPTTrainer:
         save_callback=None,
         run_record: dict | None = None,
     ):
+        self.accelerator = accelerator or make_accelerator(args)
+        if args.per_device_train_batch_size is not None:  # the global batch of transformers' per-device flag
+            args = replace(args, batch_size=args.per_device_train_batch_size * self.accelerator.num_processes)
         self.args = args
         self.run_record = run_record  # the run's whole resolved configuration, kept in training_args.json
-        self.accelerator = accelerator or make_accelerator(args)
         self.model = model
         self.data = data
         self.save_callback = save_callback
@@ -386,7 +393,8 @@ class KnowGPTTrainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.loss_curve = []
         start_step = self._resume_step()
-        if args.report_to:
+        if args.report_to:  # each stage's logs in its own output_dir/runs, where transformers' Trainer puts them
+            accelerator.project_configuration.logging_dir = str(tracking_dir(args))
             accelerator.init_trackers(args.run_name, config={k: str(v) for k, v in asdict(args).items()})
         stepper = {"plain": PlainStepper, "eager": EagerStepper}.get(path)
         stepper = stepper(self) if stepper else GraphedStepper(self, compile_model=args.compile)
@@ -429,8 +437,10 @@ class KnowGPTTrainer:
         progress.close()
         seconds = time.perf_counter() - started
         unwrapped.config._attn_implementation = attn_implementation
-        if args.report_to:
-            accelerator.end_training()
+        if args.report_to:  # not end_training(): it also ends the process group, which a next stage needs
+            for tracker in accelerator.trackers:
+                tracker.finish()
+            accelerator.trackers = []
         trained_examples = sum(self.steps_rows[start_step:global_step])
         return TrainingResult(
             global_step=global_step,

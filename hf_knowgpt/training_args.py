@@ -12,7 +12,9 @@ class TrainingArguments:
 
     output_dir: str
     max_epochs: int = 650
-    batch_size: int = 128
+    batch_size: int = 128  # the global batch, split across processes
+    # transformers' convention instead: this many rows per process, the global batch this × processes
+    per_device_train_batch_size: int | None = None
     learning_rate: float = 6e-3
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1

@@ -335,7 +335,7 @@ def run_recipe(
     output_dir = Path(output_dir)
     command = command or command_line()
     first = config.pretrain or config.finetune
-    accelerator = accelerator or make_accelerator(first, project_dir=output_dir)
+    accelerator = accelerator or make_accelerator(first)
     model = tokenizer = None
     summary = {"config": config.to_dict(), "stages": {}, "device": describe_device(accelerator.device)}
     for stage in config.stages:

@@ -37,7 +37,8 @@ def block():
 
 
 def run_block(block, states):
-    return block(states, TokenGrid(*states.shape[:2]), full_visibility(states.shape[1]))
+    output, _ = block(states, TokenGrid(*states.shape[:2]), full_visibility(states.shape[1]))
+    return output
 
 
 def test_attention_and_mlp_without_positions_are_permutation_equivariant(block):
@@ -83,7 +84,9 @@ def test_query_on_the_sum_of_two_orthonormal_keys_averages_their_values():
     errors = []
     for beta in (0.5, 2.0, 8.0, 32.0):
         query = beta * (keys[a] + keys[b])
-        output = sdpa_attention(query[None, None, None], keys[None, None], values[None, None], None, 1.0, 0.0, False)
+        output, _ = sdpa_attention(
+            query[None, None, None], keys[None, None], values[None, None], None, 1.0, 0.0, False
+        )
         errors.append((output[0, 0, 0] - target).norm().item())
     assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
     assert errors[-1] < 1e-5  # float32 rounding; the other weights are e^-32
@@ -104,7 +107,7 @@ def test_a_key_of_varying_norm_makes_one_head_unstable_and_two_heads_stable():
     one_head_query = beta * (means[a] + means[b])
     single = sdpa_attention(
         one_head_query.expand(samples, 1, 1, width), keys[:, None], values[:, None], None, 1.0, 0.0, False
-    )[:, 0, 0]
+    )[0][:, 0, 0]
     two_head_queries = beta * torch.stack([means[a], means[b]])[None, :, None].expand(samples, 2, 1, width)
     two = sdpa_attention(
         two_head_queries,
@@ -114,7 +117,7 @@ def test_a_key_of_varying_norm_makes_one_head_unstable_and_two_heads_stable():
         1.0,
         0.0,
         False,
-    )[:, :, 0].mean(dim=1)
+    )[0][:, :, 0].mean(dim=1)
 
     single_variance = single.var(dim=0).sum().item()
     two_variance = two.var(dim=0).sum().item()

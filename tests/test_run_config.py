@@ -159,6 +159,9 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--training_path", "plain"], {"S.training_path": "plain"}),
     ("handout", ["--torch_compile"], {"S.compile": True}),
     ("handout", ["--mixed_precision", "bf16"], {"S.mixed_precision": "bf16"}),
+    ("handout", ["--per_device_train_batch_size", "32"], {"S.per_device_train_batch_size": 32}),
+    ("handout", ["--with_tracking"], {"S.report_to": "tensorboard"}),
+    ("handout", ["--report_to", "all"], {"S.report_to": "tensorboard"}),
     ("handout", ["--no_fused_attention"], {"S.fused_attention": False}),
     ("handout", ["--logging_steps", "7"], {"S.log_every": 7}),
     ("handout", ["--log_every", "7"], {"S.log_every": 7}),
@@ -205,6 +208,7 @@ STAGE_FLAGS = [  # train.py: the fields that differ between the stages take the 
     (["--finetune_max_epochs", "3"], {"finetune.max_epochs": 3}),
     (["--pretrain_batch_size", "32"], {"pretrain.batch_size": 32}),
     (["--finetune_batch_size", "32"], {"finetune.batch_size": 32}),
+    (["--pretrain_per_device_train_batch_size", "32"], {"pretrain.per_device_train_batch_size": 32}),
     (["--pretrain_learning_rate", "1e-3"], {"pretrain.learning_rate": 1e-3}),
     (["--pretrain_lr", "1e-3"], {"pretrain.learning_rate": 1e-3}),
     (["--finetune_learning_rate", "1e-3"], {"finetune.learning_rate": 1e-3}),
@@ -214,7 +218,14 @@ STAGE_FLAGS = [  # train.py: the fields that differ between the stages take the 
     (["--pretrain_shuffle"], {"pretrain.shuffle": True}),
     (["--finetune_shuffle"], {"finetune.shuffle": True}),
 ]
-STAGE_FIELD_NAMES = ("max_epochs", "batch_size", "learning_rate", "final_tokens", "shuffle")
+STAGE_FIELD_NAMES = (
+    "max_epochs",
+    "batch_size",
+    "per_device_train_batch_size",
+    "learning_rate",
+    "final_tokens",
+    "shuffle",
+)
 
 
 def train_flag_cases():
@@ -277,31 +288,57 @@ def test_handout_run_py_resolves_to_the_handout_recipe(data, tmp_path):
     assert asdict(finetuned.finetune) == {**expected, "overwrite_output_dir": True}
 
 
-def readme_command(marker: str) -> list[str]:
-    """The README's command line containing `marker`, as argv for the script (launcher and script dropped)."""
+def readme_command(marker: str, script: str = "scripts/train.py") -> list[str]:
+    """The README's command line containing `marker`, as argv for `script` (what comes before it dropped)."""
     text = (REPO_ROOT / "README.md").read_text(encoding="utf-8").replace("\\\n", " ")
     line = next(line for line in text.split("\n") if marker in line)
     argv = shlex.split(line.split("#")[0])
-    return argv[argv.index("scripts/train.py") + 1 :]
+    return argv[argv.index(script) + 1 :]
 
 
 def test_reproduce_runs_the_readme_knowledge_command(data, tmp_path):
     argv = readme_command("scripts/train.py --recipe knowledge")
     if not HAS_DATA:  # the README's --data_dir is ../shared/data; the synthetic stand-in has the same file names
         argv[argv.index("--data_dir") + 1] = str(data["dir"])
-    data_dir = argv[argv.index("--data_dir") + 1]
     readme = resolve(TRAIN, argv)
-    files = {"corpus": f"{data_dir}/wiki.txt", "train": f"{data_dir}/birth_places_train.tsv",
-             "eval": f"{data_dir}/birth_dev.tsv", "test": f"{data_dir}/birth_test_inputs.tsv"}  # fmt: skip
-    command = reproduce.train_command("knowledge", 0, files, tmp_path / "reproduced")
+    # the results table's knowledge row, as the README's reproduction command builds it
+    reproduction = readme_command("benchmarks/reproduce.py", script="benchmarks/reproduce.py")
+    reproduction[reproduction.index("--data_dir") + 1] = argv[argv.index("--data_dir") + 1]
+    files, launch, launch_flags, extra_flags = reproduce.command_parts(reproduce.parse_args(reproduction))
+    command = reproduce.train_command(
+        "knowledge", 0, files, tmp_path / "reproduced", [*launch_flags, *extra_flags], launch
+    )
     reproduced = resolve(TRAIN, command[command.index(str(REPO_ROOT / "scripts" / "train.py")) + 1 :])
 
     def settings(config):
         same_dirs = {stage: replace(getattr(config, stage), output_dir="-") for stage in config.stages}
-        return {**replace(config, **same_dirs, given={}).to_dict()}
+        return replace(config, **same_dirs, given={}).to_dict()
 
     assert settings(readme) == settings(reproduced)
     assert readme.pretrain.shuffle and readme.mixed_training and readme.min_truncation_length == 112
+
+
+@pytest.mark.parametrize("script", [PRETRAIN, TRAIN])
+def test_transformers_flag_names_are_shown_and_the_old_ones_still_accepted(script, capsys):
+    """transformers' example scripts' names in --help, one entry each; the handouts' names as aliases."""
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    for name in ("--max_grad_norm", "--logging_steps", "--seed", "--output_dir", "--report_to", "--with_tracking"):
+        assert name in help_text
+    assert "--grad_norm_clip GRAD" not in help_text and "(also --grad_norm_clip)" in help_text
+    assert "--log_every LOG" not in help_text and "(also --log_every)" in help_text
+    if script is PRETRAIN:
+        assert "--num_train_epochs NUM_TRAIN_EPOCHS" in help_text and "(also --max_epochs)" in help_text
+        assert "--max_epochs MAX" not in help_text and "--per_device_train_batch_size" in help_text
+
+
+def test_a_global_and_a_per_device_batch_together_are_refused(data, tmp_path):
+    with pytest.raises(ValueError, match="contradictory settings pretrain.batch_size, pretrain.per_device"):
+        resolve(
+            PRETRAIN,
+            pretrain_argv("handout", data, tmp_path) + ["--batch_size", "64", "--per_device_train_batch_size", "32"],
+        )
 
 
 def test_resolution_refuses_unknown_settings():

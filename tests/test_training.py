@@ -141,7 +141,7 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "training_args.json",
                  "train_results.json", "modeling_knowgpt.py"):  # fmt: skip
         assert (pretrained / name).is_file(), name
-    assert list(pretrained.rglob("events.out.tfevents.*")), "no TensorBoard scalars"
+    assert list((pretrained / "runs").rglob("events.out.tfevents.*")), "no TensorBoard scalars in output_dir/runs"
     card = (pretrained / "README.md").read_text()
     assert "library_name: transformers" in card and "pretrain.py" in card and "| attention | `vanilla` |" in card
 
@@ -227,6 +227,20 @@ def test_knowledge_recipe_reads_whole_windows_of_any_block_size(corpus, tmp_path
             tmp_path / "too-long", pretrain_corpus_path=corpus.corpus, **TINY_OVERRIDES,
             min_truncation_length=57, max_epochs=1,
         )  # fmt: skip
+
+
+def test_per_device_batch_is_multiplied_by_the_processes(corpus, tmp_path):
+    """transformers' --per_device_train_batch_size: the global batch is that many rows per process."""
+    _, metrics = workflows.pretrain(
+        tmp_path / "run",
+        pretrain_corpus_path=corpus.corpus,
+        **TINY_OVERRIDES,
+        max_epochs=1,
+        per_device_train_batch_size=8,
+    )
+    recorded = json.loads((tmp_path / "run" / "training_args.json").read_text())["arguments"]
+    assert recorded["batch_size"] == 8 and recorded["per_device_train_batch_size"] == 8
+    assert metrics["global_step"] == -(-len(corpus.corpus.read_text().strip().split("\n")) // 8)
 
 
 def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):

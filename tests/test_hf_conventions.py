@@ -1,0 +1,305 @@
+"""KnowGPT held to the contracts of transformers' own common tests (`tests/test_modeling_common.py`:
+test_attention_outputs, test_hidden_states_output, test_training_gradient_checkpointing*,
+check config defaults; `tests/generation/test_utils.py`: attentions from generate; the causal-LM loss of
+`transformers.loss.loss_utils`; `tests/test_tokenization_common.py`: every constructor path gives the
+same tokenizer), for all four attention types.
+
+Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
+bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import ATTENTION_TYPES, tiny_config
+from transformers import pipeline
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
+from hf_knowgpt.tokenization_knowgpt import MASK_CHAR
+
+CACHE_RENAMED = "cache" in CausalLMOutputWithPast.__dataclass_fields__
+BATCH, LENGTH = 2, 10
+
+
+def make_model(attention_type, **overrides):
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config(attention_type, **overrides)).eval()
+    with torch.no_grad():  # the handout init zeroes some tensors; perturb so every parameter matters
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
+def inputs():
+    return torch.randint(2, 22, (BATCH, LENGTH), generator=torch.Generator().manual_seed(1))
+
+
+def expected_attention_shapes(config):
+    """(heads, queries, keys) of each layer's weights. Self-attention types: (H, T, T). The perceiver: the
+    down-projection's latents over the input, the latent blocks, the input over the latents."""
+    heads, latents = config.n_head, config.bottleneck_dim
+    if config.attention_type != "perceiver":
+        return [(heads, LENGTH, LENGTH)] * config.n_layer
+    middle = [(heads, latents, latents)] * (config.n_layer - 2)
+    return [(heads, latents, LENGTH), *middle, (heads, LENGTH, latents)]
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_attention_outputs_by_keyword_and_by_config(attention_type):
+    model = make_model(attention_type)
+    model.set_attn_implementation("eager")
+    ids = inputs()
+    with torch.no_grad():
+        by_keyword = model(ids, output_attentions=True)
+        model.config.output_attentions = True
+        by_config = model(ids)
+        model.config.output_attentions = False
+        neither = model(ids)
+        # attentions come last, after the hidden states (test_attention_outputs' order check)
+        both = model(ids, output_attentions=True, output_hidden_states=True)
+    shapes = expected_attention_shapes(model.config)
+    for outputs in (by_keyword, by_config):
+        assert len(outputs.attentions) == model.config.n_layer
+        assert [tuple(a.shape[1:]) for a in outputs.attentions] == shapes
+        assert all(a.shape[0] == BATCH for a in outputs.attentions)
+    assert neither.attentions is None
+    assert len(both) == len(by_keyword) + 1 and list(both.keys())[-2:] == ["hidden_states", "attentions"]
+    for weights in by_keyword.attentions:  # probabilities over the keys (eval: no dropout)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    if attention_type != "perceiver":  # causal: no query sees a later key
+        future = torch.ones(LENGTH, LENGTH, dtype=torch.bool).triu(1)
+        assert all(float(w[..., future].abs().max()) == 0.0 for w in by_keyword.attentions)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_attentions_from_a_fused_implementation_come_from_eager_with_one_warning(attention_type, caplog):
+    model = make_model(attention_type)
+    ids = inputs()
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        eager = model(ids, output_attentions=True)
+        model.set_attn_implementation("sdpa")
+        with caplog.at_level("WARNING"):
+            fused = model(ids, output_attentions=True)
+            model(ids, output_attentions=True)
+    assert sum("eager implementation" in record.message for record in caplog.records) <= 1
+    for a, b in zip(eager.attentions, fused.attentions):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(eager.logits, fused.logits)
+    assert model.config._attn_implementation == "sdpa"  # the call used eager; the model keeps its own
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_generate_returns_attentions(attention_type):
+    model = make_model(attention_type)
+    prompt = inputs()[:, :5]
+    output = model.generate(
+        prompt, max_new_tokens=3, do_sample=False, eos_token_id=None, output_attentions=True,
+        return_dict_in_generate=True,
+    )  # fmt: skip
+    assert len(output.attentions) == 3  # one tuple per generated token
+    assert all(len(step) == model.config.n_layer for step in output.attentions)
+    first_layer_keys = [step[0].shape[-1] for step in output.attentions]
+    if attention_type == "perceiver":  # the down-projection reads the cached input: 5, 6, 7 positions
+        assert first_layer_keys == [5, 6, 7]
+    else:
+        assert first_layer_keys == [5, 6, 7] and [step[0].shape[-2] for step in output.attentions] == [5, 1, 1]
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_hidden_states_output_by_keyword_and_by_config(attention_type):
+    """n_layer + 1 states (test_hidden_states_output): the embeddings, each block's output, the last after
+    the final LayerNorm. The perceiver's latent states have bottleneck_dim positions, not T."""
+    model = make_model(attention_type)
+    ids = inputs()
+    with torch.no_grad():
+        by_keyword = model(ids, output_hidden_states=True)
+        model.config.output_hidden_states = True
+        by_config = model(ids)
+        base = model.transformer(ids)
+    for outputs in (by_keyword, by_config):
+        states = outputs.hidden_states
+        assert len(states) == model.config.n_layer + 1
+        assert tuple(states[0].shape) == (BATCH, LENGTH, model.config.n_embd)
+        torch.testing.assert_close(states[-1], base.last_hidden_state)
+        if attention_type == "perceiver":
+            latent = (BATCH, model.config.bottleneck_dim, model.config.n_embd)
+            assert [tuple(s.shape) for s in states[1:-1]] == [latent] * (model.config.n_layer - 1)
+        else:
+            assert all(tuple(s.shape) == (BATCH, LENGTH, model.config.n_embd) for s in states)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_config_return_dict_and_use_cache_are_the_defaults_keywords_override(attention_type):
+    model = make_model(attention_type)
+    ids = inputs()
+    cache_field = "cache" if CACHE_RENAMED else "past_key_values"
+    with torch.no_grad():
+        assert getattr(model(ids), cache_field) is not None  # config.use_cache is True
+        model.config.use_cache = False
+        assert getattr(model(ids), cache_field) is None
+        assert getattr(model(ids, use_cache=True), cache_field) is not None
+        model.config.return_dict = False
+        as_tuple = model(ids)
+        assert isinstance(as_tuple, tuple)
+        assert isinstance(model(ids, return_dict=True), CausalLMOutputWithPast)
+        torch.testing.assert_close(as_tuple[0], model(ids, return_dict=True).logits)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_loss_follows_transformers_causal_lm_loss(attention_type):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = make_model(attention_type)
+    ids = inputs()
+    labels = ids.clone()
+    labels[0, :4] = -100
+    shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    with torch.no_grad():
+        by_labels = model(ids, labels=labels)
+        by_shift_labels = model(ids, shift_labels=shifted)
+        summed = model(ids, labels=labels, num_items_in_batch=torch.tensor(40))
+        reference = ForCausalLMLoss(by_labels.logits, labels, model.config.vocab_size)
+        reference_summed = ForCausalLMLoss(
+            by_labels.logits, labels, model.config.vocab_size, num_items_in_batch=torch.tensor(40)
+        )
+    torch.testing.assert_close(by_labels.loss, reference)
+    torch.testing.assert_close(by_shift_labels.loss, reference)
+    torch.testing.assert_close(summed.loss, reference_summed)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_the_old_cache_keyword_works_and_warns_where_transformers_renamed_it(attention_type):
+    model = make_model(attention_type)
+    prompt, step = inputs()[:, :6], inputs()[:, 6:7]
+    with torch.no_grad():
+        first = model(prompt, use_cache=True)
+        cache = first.cache if CACHE_RENAMED else first.past_key_values
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            old = model(step, past_key_values=cache, use_cache=True).logits
+        cache = model(prompt, use_cache=True)
+        cache = cache.cache if CACHE_RENAMED else cache.past_key_values
+        new = model(step, **{"cache" if CACHE_RENAMED else "past_key_values": cache}, use_cache=True).logits
+    torch.testing.assert_close(old, new)
+    future = [w for w in caught if issubclass(w.category, FutureWarning) and "past_key_values" in str(w.message)]
+    assert bool(future) == CACHE_RENAMED  # transformers' own deprecation notice where it renamed the keyword
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_reentrant):
+    """check_training_gradient_checkpointing: every checkpointed layer's forward runs again in the backward
+    pass, and the gradients equal the plain ones (dropout included: checkpointing replays its RNG state)."""
+    model = make_model(attention_type)
+    assert model.supports_gradient_checkpointing
+    model.train()
+    ids = inputs()
+
+    def gradients():
+        model.zero_grad()
+        torch.manual_seed(7)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == model.config.n_layer  # every block, the perceiver's projections included
+    calls = []
+    for layer in layers:  # each layer's first LayerNorm runs once per forward pass, and again when recomputed
+        layer.ln1.register_forward_pre_hook(lambda *_: calls.append(1))
+    plain = gradients()
+    plain_calls = len(calls)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    checkpointed = gradients()
+    assert plain_calls == len(layers) and len(calls) - plain_calls == 2 * len(layers)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
+    model.gradient_checkpointing_disable()
+
+
+SAMPLE = "Ada Lovelace was born in London.\nJosé Martí was born in Havana.\n"
+
+
+def test_every_tokenizer_constructor_gives_the_same_backend(tmp_path):
+    """test_tokenization_common's rebuild contracts: from a vocabulary, from tokenizer.json, from a corpus
+    and from_pretrained, the same per-character splitting, unknown id and decoding."""
+    from transformers import AutoTokenizer
+
+    import hf_knowgpt  # noqa: F401
+
+    from_corpus = KnowGPTTokenizerFast.from_corpus(SAMPLE)
+    from_corpus.save_pretrained(tmp_path)
+    tokenizers = {
+        "from_corpus": from_corpus,
+        "vocab": KnowGPTTokenizerFast(vocab=from_corpus.get_vocab()),
+        "tokenizer_file": KnowGPTTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json")),
+        "from_pretrained": KnowGPTTokenizerFast.from_pretrained(tmp_path),
+        "AutoTokenizer": AutoTokenizer.from_pretrained(tmp_path),
+    }
+    text = "José 中 ⁇\nLondon"  # "中" is outside the vocabulary
+    expected = from_corpus(text)["input_ids"]
+    assert expected[5] == from_corpus.unk_token_id and len(expected) == len(text)
+    for name, tokenizer in tokenizers.items():
+        assert type(tokenizer) is KnowGPTTokenizerFast, name
+        assert tokenizer(text)["input_ids"] == expected, name
+        assert tokenizer.decode(tokenizer("José ⁇\nLondon")["input_ids"]) == "José ⁇\nLondon", name
+        assert (tokenizer.pad_token_id, tokenizer.mask_token_id, tokenizer.eos_token_id) == (0, 1, 1), name
+        assert tokenizer.unk_token_id == len(tokenizer) - 1, name
+
+
+class Scripted:
+    """A forward hook whose logits write `script` after the prompt (the input of a generation's first call),
+    then its last character forever: a model whose generations are known."""
+
+    def __init__(self, script, vocab_size):
+        self.script, self.vocab_size, self.prompt_length = script, vocab_size, 0
+
+    def __call__(self, module, args, kwargs, output):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = cache.get_seq_length() - ids.shape[1] if cache is not None else 0  # the forward added ids
+        if past == 0:
+            self.prompt_length = ids.shape[1]
+        logits = torch.full((*ids.shape, self.vocab_size), -10.0)
+        for t in range(ids.shape[1]):
+            written = past + t + 1 - self.prompt_length  # characters generated after position t
+            logits[:, t, self.script[min(max(written, 0), len(self.script) - 1)]] = 10.0
+        output.logits = logits
+        return output
+
+
+def test_generation_stops_at_the_closing_mark_and_the_pipeline_reads_well():
+    tokenizer = KnowGPTTokenizerFast.from_corpus("Where was Ada born?\tWarsaw Paris\n")
+    prompt = "Where was Ada born?" + MASK_CHAR
+    config = tiny_config("vanilla", vocab_size=len(tokenizer), unk_token_id=tokenizer.unk_token_id, block_size=64)
+    model = KnowGPTForCausalLM(config).eval()
+    assert (model.config.eos_token_id, model.generation_config.eos_token_id) == (1, 1)
+    assert model.generation_config.pad_token_id == 0
+    script = tokenizer("Warsaw" + MASK_CHAR + "Paris")["input_ids"]
+    model.register_forward_hook(Scripted(script, len(tokenizer)), with_kwargs=True)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert tokenizer.decode(generated[0]) == prompt + "Warsaw" + MASK_CHAR  # stops after the answer
+    text = pipeline("text-generation", model=model, tokenizer=tokenizer)(prompt, max_new_tokens=20)
+    assert text[0]["generated_text"] == prompt + "Warsaw"
+
+
+def test_a_question_without_room_for_its_answer_is_flagged_not_answered():
+    """A question that leaves fewer positions of the block than an answer needs (here 4 of 64) gets no
+    answer: the fragment the model wrote before running out is kept apart as best_guess."""
+    short, long = "Where was Ada born?", "Where was Ada " + "L" * 39 + " born?"
+    tokenizer = KnowGPTTokenizerFast.from_corpus(short + long + "London")
+    config = tiny_config("vanilla", vocab_size=len(tokenizer), unk_token_id=tokenizer.unk_token_id, block_size=64)
+    model = KnowGPTForCausalLM(config).eval()
+    model.register_forward_hook(
+        Scripted(tokenizer("London" + MASK_CHAR)["input_ids"], len(tokenizer)), with_kwargs=True
+    )
+    assert 64 - (len(long) + 1) == 4
+    answers = pipeline("birthplace-qa", model=model, tokenizer=tokenizer)([short, long], batch_size=1)
+    assert answers[0]["answer"] == "London" and answers[0]["truncated"] is False
+    flagged = answers[1]
+    assert flagged["truncated"] is True and flagged["answer"] is None and flagged["abstained"] is True
+    assert flagged["best_guess"] == "Lond"
