@@ -8,6 +8,8 @@ from pathlib import Path
 
 import datasets
 
+from hf_knowgpt.errors import MissingInputError
+
 from .corpus import read_birthplaces, read_corpus
 
 
@@ -76,7 +78,7 @@ def _prepare(builder_class, data_files: dict, cache_dir=None) -> datasets.Datase
     for split, path in data_files.items():
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"file not found: {path}")
+            raise MissingInputError(path, "no such file", "check the path")
         files[split] = str(path.resolve())
     builder = builder_class(data_files=files, cache_dir=cache_dir)
     try:

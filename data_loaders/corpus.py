@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_knowgpt.errors import InputError, MissingInputError
+
 from .truncation import MIN_DOCUMENT_LENGTH
 
 logger = logging.getLogger(__name__)
@@ -21,12 +23,18 @@ QUESTION_PATTERN = re.compile(r"^Where was (?P<name>.+) born\?$")
 
 def _read_text(path) -> str:
     path = Path(path)
+    if path.is_dir():
+        raise InputError(path, "is a folder, not a file", "give the file itself")
     if not path.is_file():
-        raise FileNotFoundError(f"file not found: {path}")
+        raise MissingInputError(path, "no such file", "check the path")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path} is not UTF-8 text: {error}") from error
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}", f"not UTF-8 text ({error.reason} at byte {error.start})",
+                         "save the file as UTF-8") from error  # fmt: skip
+    except OSError as error:
+        raise InputError(path, f"cannot be read ({error.strerror})") from error
 
 
 def split_documents(text: str, source: str = "<text>") -> list[str]:
@@ -43,7 +51,9 @@ def split_documents(text: str, source: str = "<text>") -> list[str]:
     if too_short:
         logger.warning("%s: skipped %d documents shorter than %d characters", source, too_short, MIN_DOCUMENT_LENGTH)
     if not documents:
-        raise ValueError(f"{source}: the corpus holds no document of at least {MIN_DOCUMENT_LENGTH} characters")
+        raise InputError(
+            source, f"holds no document of at least {MIN_DOCUMENT_LENGTH} characters", "one document per line"
+        )
     return documents
 
 
@@ -56,36 +66,39 @@ class BirthplaceRecord:
     question: str
     name: str
     answer: str | None
+    line: int | None = None  # where it stands in its file
 
 
 def parse_birthplaces(text: str, source: str = "<text>") -> list[BirthplaceRecord]:
-    """Parse birthplace TSV text; every error names the source and the line number."""
+    """Parse birthplace TSV text; every error names the source and the line number (`file:line`)."""
     records, labeled_lines, unlabeled_lines = [], [], []
     for line_number, line in enumerate(text.split("\n"), start=1):
         line = line.rstrip("\r")
         if not line.strip():
             continue
+        where = f"{source}:{line_number}"
         fields = line.split("\t")
         if len(fields) > 2:
-            raise ValueError(
-                f"{source}, line {line_number}: expected one tab (question TAB place), found {len(fields) - 1}"
+            raise InputError(
+                where, f"{len(fields) - 1} tabs; expected one, between question and place", "question TAB place"
             )
         question = fields[0].strip()
         answer = fields[1].strip() if len(fields) == 2 else None
         if answer == "":
-            raise ValueError(f"{source}, line {line_number}: the place after the tab is empty")
+            raise InputError(where, "the place after the tab is empty", "question TAB place")
         (labeled_lines if answer is not None else unlabeled_lines).append(line_number)
         match = QUESTION_PATTERN.match(question)
         if match is None:
-            raise ValueError(f"{source}, line {line_number}: expected 'Where was <name> born?', got {question!r}")
-        records.append(BirthplaceRecord(question, match["name"], answer))
+            raise InputError(where, f"expected 'Where was <name> born?', got {question!r}")
+        records.append(BirthplaceRecord(question, match["name"], answer, line_number))
     if labeled_lines and unlabeled_lines:
-        raise ValueError(
-            f"{source} mixes labeled and unlabeled lines: line {labeled_lines[0]} has a place, "
-            f"line {unlabeled_lines[0]} has none"
+        raise InputError(
+            f"{source}:{unlabeled_lines[0]}",
+            f"no tab: this line has no place, while line {labeled_lines[0]} has one",
+            "every line 'question TAB place', or every line a question alone",
         )
     if not records:
-        raise ValueError(f"{source}: no questions found")
+        raise InputError(source, "holds no questions", "'Where was <name> born?' TAB place, one per line")
     return records
 
 
@@ -118,13 +131,14 @@ class DataFiles:
         `birth_test_inputs.tsv`); a missing one is named."""
         data_dir = Path(data_dir)
         if not data_dir.is_dir():
-            raise FileNotFoundError(f"data folder not found: {data_dir}")
+            raise MissingInputError(data_dir, "no such folder", "--data_dir names the folder of the CS224N files")
         paths = {role: data_dir / name for role, name in CS224N_FILE_NAMES.items()}
-        missing = [str(path) for path in paths.values() if not path.is_file()]
+        missing = [path.name for path in paths.values() if not path.is_file()]
         if missing:
-            raise FileNotFoundError(
-                f"{data_dir} lacks {', '.join(missing)} (--data_dir expects the CS224N files "
-                f"{', '.join(CS224N_FILE_NAMES.values())}; give other files with their own flags)"
+            raise MissingInputError(
+                data_dir,
+                f"lacks {', '.join(missing)}",
+                f"--data_dir expects {', '.join(CS224N_FILE_NAMES.values())}; give other files with their own flags",
             )
         return cls(**paths)
 

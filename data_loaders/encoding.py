@@ -6,8 +6,11 @@ the question itself. Evaluation prompts are `question⁇`.
 """
 
 import logging
+from pathlib import Path
 
 import torch
+
+from hf_knowgpt.errors import InputError
 
 from .span_corruption import MASK_ID, MIN_DOCUMENT_LENGTH, PAD_ID, pack_documents, span_corrupt
 
@@ -15,13 +18,36 @@ logger = logging.getLogger(__name__)
 
 
 def encode_texts(tokenizer, texts: list[str], source: str = "input") -> list[list[int]]:
-    """Character ids of each text; characters outside the vocabulary become unk and are counted in a warning."""
-    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+    """Character ids of each text. Characters outside the vocabulary become the unknown id, and a warning
+    names each of them with the first place it occurs: `file:line` when `source` is a file, else the item."""
+    texts = list(texts)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     unk_id = tokenizer.unk_token_id
-    unknown = sum(row.count(unk_id) for row in ids) if unk_id is not None else 0
-    if unknown:
-        logger.warning("%s: %d characters outside the vocabulary were mapped to the unknown id", source, unknown)
+    if unk_id is None or not any(unk_id in row for row in ids):
+        return ids
+    first_item, count = {}, 0
+    for index, (text, row) in enumerate(zip(texts, ids)):
+        for character, token in zip(text, row):  # one id per character
+            if token == unk_id:
+                count += 1
+                first_item.setdefault(character, index)
+    places = _first_lines(source, first_item)
+    logger.warning(
+        "%s: %d characters outside the vocabulary were mapped to the unknown id: %s",
+        source, count, "; ".join(f"{c!r} (U+{ord(c):04X}) first at {places[c]}" for c in first_item),
+    )  # fmt: skip
     return ids
+
+
+def _first_lines(source: str, first_item: dict) -> dict:
+    """Where each character first occurs: `file:line` when `source` names a file, else `source item N`."""
+    path = Path(source)
+    lines = path.read_text(encoding="utf-8").split("\n") if path.is_file() else None
+    places = {}
+    for character, index in first_item.items():
+        number = next((n for n, line in enumerate(lines, start=1) if character in line), None) if lines else None
+        places[character] = f"{source}:{number}" if number else f"{source} item {index + 1}"
+    return places
 
 
 def encode_documents(tokenizer, documents: list[str], block_size: int, source: str = "corpus"):
@@ -39,24 +65,30 @@ def encode_birthplace_examples(tokenizer, questions, answers, block_size: int, s
     labels = torch.full((len(ids), block_size), -100, dtype=torch.long)
     for row, (example, question_length) in enumerate(zip(ids, question_lengths)):
         if len(example) > block_size:
-            raise ValueError(
-                f"{source}: {questions[row]!r} with its answer takes {len(example)} characters, "
-                f"more than block_size={block_size}"
+            raise InputError(
+                source,
+                f"{questions[row]!r} with its answer takes {len(example)} characters, more than block_size={block_size}",
+                "shorten it, or train a model with a larger --block_size",
             )
         input_ids[row, : len(example)] = torch.as_tensor(example)
         labels[row, question_length : len(example)] = input_ids[row, question_length : len(example)]
     return input_ids, labels
 
 
-def encode_questions(tokenizer, questions, block_size: int, max_new_tokens: int = 0, source: str = "questions"):
-    """Evaluation prompts `question⁇` as id lists; each must leave room for `max_new_tokens` in the block."""
+def encode_questions(
+    tokenizer, questions, block_size: int, max_new_tokens: int = 0, source: str = "questions", lines=None
+):
+    """Evaluation prompts `question⁇` as id lists; each must leave room for at least one answer character.
+    `lines` (the questions' line numbers in `source`) make an error name its line."""
     mask_char = tokenizer.convert_ids_to_tokens(MASK_ID)
     prompts = encode_texts(tokenizer, [question + mask_char for question in questions], source)
-    for question, prompt in zip(questions, prompts):
+    for index, (question, prompt) in enumerate(zip(questions, prompts)):
         if len(prompt) >= block_size:
-            raise ValueError(
-                f"{source}: question {question!r} takes {len(prompt)} characters with its ⁇, "
-                f"block_size={block_size} leaves no room for an answer"
+            raise InputError(
+                f"{source}:{lines[index]}" if lines else f"{source} item {index + 1}",
+                f"question {question!r} takes {len(prompt)} characters with its ⁇: the model's block of "
+                f"{block_size} leaves no room for an answer",
+                "shorten the question",
             )
     return prompts
 

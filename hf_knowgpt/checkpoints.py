@@ -4,9 +4,17 @@ Every file is written beside its final name and renamed into place, and checkpoi
 and renamed whole, so a run killed at any moment leaves the last complete checkpoint loadable.
 """
 
+import contextlib
 import json
+import logging
 import os
+import re
+import zipfile
 from pathlib import Path
+
+from .errors import InputError, MissingInputError
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint-"
 STAGING_PREFIX = ".staging-"
@@ -22,23 +30,115 @@ def list_checkpoints(output_dir) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """What is wrong with a safetensors file (None when its header reads): only the header is read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as weights:
+            weights.keys()
+    except (SafetensorError, OSError, ValueError) as error:
+        return f"not a readable safetensors file ({str(error).splitlines()[0]})"
+    return None
+
+
+def check_model_folder(path) -> Path:
+    """A local folder that `from_pretrained` can load, or an InputError naming the folder or file and what is
+    wrong: missing, a file, an interrupted run's output_dir (its checkpoints named), no config.json,
+    unreadable config.json, missing or corrupt weights."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingInputError(path, "no such checkpoint folder", "give a folder written by the training scripts")
+    if path.is_file():
+        raise InputError(
+            path, "is a file, not a checkpoint folder",
+            "a state dict saved by the handouts' code converts with scripts/convert_cs224n_checkpoint.py",
+        )  # fmt: skip
+    if not (path / "config.json").is_file():
+        checkpoints = list_checkpoints(path)
+        if checkpoints:
+            raise InputError(
+                path,
+                "holds no finished model: its run stopped early; its checkpoints are "
+                + ", ".join(c.name for c in checkpoints),
+                f"give one of them, e.g. {checkpoints[-1]}, or resume the run with --resume_from_checkpoint latest",
+            )
+        raise InputError(path, "not a checkpoint: no config.json", "give a folder written by the training scripts")
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InputError(path / "config.json", f"not valid JSON ({error})", "the checkpoint is damaged") from error
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise InputError(path, "has no model.safetensors", "the checkpoint is incomplete: save or train it again")
+    problem = safetensors_problem(weights)
+    if problem:
+        raise InputError(weights, problem, "the file is damaged: use another checkpoint or train again")
+    return path
+
+
 def validate_checkpoint(path) -> dict:
-    """The trainer state of a complete checkpoint; a clear error naming the path and what is wrong."""
+    """The trainer state of a complete, resumable checkpoint; an InputError naming the path and what is
+    wrong (missing files, unreadable weights or optimizer state, unreadable trainer state)."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise MissingInputError(path, "no such checkpoint", "--resume_from_checkpoint takes a checkpoint-N folder")
     missing = [
         name
         for name in (TRAINER_STATE, "config.json", "model.safetensors", ACCELERATE_STATE)
         if not (path / name).exists()
     ]
     if missing:
-        raise ValueError(f"checkpoint {path} is incomplete or corrupt: missing {', '.join(missing)}")
+        raise InputError(path, f"incomplete or corrupt checkpoint: missing {', '.join(missing)}")
+    for weights in (path / "model.safetensors", *sorted((path / ACCELERATE_STATE).glob("*.safetensors"))):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise InputError(weights, problem, "the checkpoint is damaged")
+    for state in sorted((path / ACCELERATE_STATE).glob("*.bin")):  # torch.save's zip files
+        if not zipfile.is_zipfile(state):
+            raise InputError(state, "not a readable torch.save file", "the checkpoint is damaged")
     try:
         state = json.loads((path / TRAINER_STATE).read_text())
         return {"global_step": int(state["global_step"]), **state}
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"checkpoint {path} is corrupt: {TRAINER_STATE} is unreadable ({error})") from error
+        raise InputError(path / TRAINER_STATE, f"unreadable ({error})", "the checkpoint is damaged") from error
+
+
+def latest_valid_checkpoint(output_dir) -> tuple[Path, dict]:
+    """The newest checkpoint-N of `output_dir` that validates, with its trainer state; a damaged newer one is
+    skipped with a warning (a run killed while writing leaves the one before it whole)."""
+    checkpoints = list_checkpoints(output_dir)
+    if not checkpoints:
+        raise MissingInputError(
+            output_dir, "holds no checkpoint-N folder to resume from", "start the run without --resume_from_checkpoint"
+        )
+    problems = []
+    for checkpoint in reversed(checkpoints):
+        try:
+            return checkpoint, validate_checkpoint(checkpoint)
+        except InputError as error:
+            logger.warning("skipping %s: %s", checkpoint.name, error)
+            problems.append(str(error))
+    raise InputError(output_dir, "no checkpoint-N folder is whole: " + "; ".join(problems))
+
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """transformers' own bars ("Loading weights", "Writing model shards") off for a load or save inside a
+    run: they do not belong in a training log. The previous setting is restored."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def looks_like_hub_id(name: str) -> bool:
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)) is not None and not Path(name).exists()
 
 
 def write_text_atomic(path, text: str):
@@ -54,6 +154,11 @@ def write_json_atomic(path, payload):
 
 
 __all__ = [
+    "check_model_folder",
+    "latest_valid_checkpoint",
+    "looks_like_hub_id",
+    "quiet_progress_bars",
+    "safetensors_problem",
     "ACCELERATE_STATE",
     "CHECKPOINT_PREFIX",
     "STAGING_PREFIX",

@@ -10,6 +10,7 @@ This module imports nothing heavy, so `--help` answers at once.
 
 import argparse
 import os
+import sys
 
 from .options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, TRAINING_PATHS
 from .recipes import RECIPES
@@ -235,12 +236,39 @@ def _files(args, **paths):
 
 
 def _refuse_model_flags_for_a_checkpoint(args, given):
+    from .errors import InputError
+
     model_flags = sorted(name.split(".", 1)[1] for name in given if name.startswith("model."))
     if getattr(args, "model_name_or_path", None) and model_flags:
-        raise SystemExit(
-            f"error: --{', --'.join(model_flags)}: the model of --model_name_or_path {args.model_name_or_path} "
-            "is loaded with its own configuration; model flags apply only to a new model"
+        raise InputError(
+            f"--{', --'.join(model_flags)}",
+            f"the model of --model_name_or_path {args.model_name_or_path} is loaded with its own configuration",
+            "model flags apply only to a new model: drop them",
         )
+
+
+def checked_plan(config, given: dict, model_name_or_path=None):
+    """The plan, checked before anything heavy runs: the model's configuration (a new model's), the checkpoint
+    to start from, and every stage's output folder."""
+    from .checkpoints import check_model_folder, looks_like_hub_id
+    from .errors import InputError
+    from .training import check_output_dir
+
+    if config.finetune_from != "pretrained" or config.pretrain is not None:
+        from .configuration_knowgpt import KnowGPTConfig
+
+        try:
+            KnowGPTConfig(vocab_size=1024, **config.model)
+        except ValueError as error:
+            flags = " ".join(
+                f"--{name.split('.', 1)[1]} {value}" for name, value in given.items() if name.startswith("model.")
+            )
+            raise InputError(flags or f"--recipe {config.recipe}", str(error)) from None
+    if model_name_or_path is not None and not looks_like_hub_id(model_name_or_path):
+        check_model_folder(model_name_or_path)
+    for stage in config.stages:
+        check_output_dir(getattr(config, stage))
+    return config
 
 
 def pretraining_plan(args):
@@ -251,11 +279,12 @@ def pretraining_plan(args):
     files = _files(args, corpus=args.pretrain_corpus_path, train=args.mixed_training_corpus_path)
     if args.output_dir is None:
         args.output_dir = f"outputs/pretrain-{given.get('model.attention_type', args.recipe)}"
-    return plan_pretraining(args.recipe, given, files, args.output_dir), files
+    return checked_plan(plan_pretraining(args.recipe, given, files, args.output_dir), given), files
 
 
 def finetuning_plan(args):
     """(RunConfig, DataFiles) of `scripts/finetune.py`."""
+    from .checkpoints import check_model_folder, looks_like_hub_id
     from .run_config import plan_finetuning
 
     given = given_settings(args)
@@ -268,10 +297,12 @@ def finetuning_plan(args):
     if args.output_dir is None:
         kind = "pretrained" if args.model_name_or_path else f"scratch-{given.get('model.attention_type', args.recipe)}"
         args.output_dir = f"outputs/finetune-{kind}"
+    if args.model_name_or_path and not looks_like_hub_id(args.model_name_or_path):
+        check_model_folder(args.model_name_or_path)  # before its card is read for the corpus size
     config = plan_finetuning(
         args.recipe, given, files, args.output_dir, args.model_name_or_path, getattr(args, "finetune_recipe", None)
     )
-    return config, files
+    return checked_plan(config, given, args.model_name_or_path), files
 
 
 def recipe_plan(args):
@@ -298,7 +329,7 @@ def recipe_plan(args):
         finetuning=args.do_finetune,
         finetune_recipe=args.finetune_recipe,
     )
-    return config, files
+    return checked_plan(config, given), files
 
 
 def is_main_process() -> bool:
@@ -319,18 +350,41 @@ def synthetic_size(args) -> dict:
     return {"num_people": args.num_people} if args.num_people else {}
 
 
-def run_training(function, *args, **kwargs):
-    """Run a training workflow; a run stopped by SIGINT/SIGTERM (checkpoint saved) exits with 128 + signal."""
+def add_debug_argument(parser):
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of input errors too (also KNOWGPT_DEBUG=1)"
+    )
+
+
+def main_guard(main):
+    """Run a script's `main`: an error in what the user gave (`errors.UserError`) becomes one line on stderr,
+    `error: <where>: <what is wrong> (<what to do>)`, printed by the first process only, and exit status 2;
+    `--debug` or KNOWGPT_DEBUG=1 shows its traceback instead. Any other exception keeps its traceback."""
+    from .errors import UserError
+
+    debug = "--debug" in sys.argv[1:] or os.environ.get("KNOWGPT_DEBUG", "") not in ("", "0")
+    try:
+        return main()
+    except Exception as error:
+        if debug or not isinstance(error, UserError):
+            raise
+        if is_main_process():
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def run_training(function, *args, resume_hint: str = "--resume_from_checkpoint latest", **kwargs):
+    """Run a training workflow; a run stopped by SIGINT/SIGTERM (checkpoint saved) exits with 128 + signal,
+    saying how to resume."""
     from .workflows import TrainingInterrupted
 
     try:
         return function(*args, **kwargs)
     except TrainingInterrupted as stopped:
-        print(f"{stopped}: resume with --resume_from_checkpoint latest")
+        if is_main_process():
+            print(f"{stopped}: resume with the same command and {resume_hint}", flush=True)
         raise SystemExit(128 + stopped.signal_number) from None
     finally:  # several processes (accelerate launch): leave the process group as torch asks, not at exit
-        import sys
-
         torch = sys.modules.get("torch")
         if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

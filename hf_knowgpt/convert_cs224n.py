@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .configuration_knowgpt import KnowGPTConfig
+from .errors import InputError, MissingInputError
 from .modeling_knowgpt import KnowGPTForCausalLM
 from .tokenization_knowgpt import KnowGPTTokenizerFast
 
@@ -35,15 +36,15 @@ _RENAMES = [
 def load_cs224n_state_dict(path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"CS224N checkpoint not found: {path}")
+        raise MissingInputError(path, "no such file", "the params file the handouts' run.py wrote")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise ValueError(f"{path} is not a readable torch state dict: {error}") from error
+        raise InputError(path, f"not a readable torch state dict ({str(error).splitlines()[0]})") from error
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path} does not hold a state dict of tensors (torch.save(model.state_dict(), path))")
+        raise InputError(path, "holds no state dict of tensors", "torch.save(model.state_dict(), path) writes one")
     # nn.DataParallel prefixes every name with "module."
     return {name.removeprefix("module."): tensor for name, tensor in state.items()}
 
@@ -124,15 +125,18 @@ def convert_cs224n_checkpoint(
     """Build (and save, when `output_dir` is given) the 🤗 model and tokenizer for a handout checkpoint."""
     corpus_path = Path(corpus_path)
     if not corpus_path.is_file():
-        raise FileNotFoundError(f"pretraining corpus not found: {corpus_path}")
+        raise MissingInputError(corpus_path, "no such file", "the pretraining corpus the model was trained with")
     tokenizer = KnowGPTTokenizerFast.from_corpus(corpus_path.read_text(encoding="utf-8"))
     state = load_cs224n_state_dict(params_path)
-    config = infer_cs224n_config(state, len(tokenizer), n_head=n_head)
-    model = KnowGPTForCausalLM(config)
-    converted = convert_cs224n_state_dict(state, config)
+    try:
+        config = infer_cs224n_config(state, len(tokenizer), n_head=n_head)
+        model = KnowGPTForCausalLM(config)
+        converted = convert_cs224n_state_dict(state, config)
+    except ValueError as error:  # the weights are not what the handouts' GPT saves, or not for this corpus
+        raise InputError(params_path, str(error)) from error
     missing, unexpected = model.load_state_dict(converted, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{params_path}: parameters missing {missing}, unexpected {unexpected}")
+        raise InputError(params_path, f"parameters missing {missing}, unexpected {unexpected}")
     model.generation_config.suppress_tokens = [tokenizer.unk_token_id]
     model.eval()
     if output_dir is not None:

@@ -4,6 +4,7 @@ Kept apart from training so that `scripts/evaluate.py` loads only what answering
 no training code).
 """
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,12 +12,53 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_loaders.corpus import DataFiles, read_birthplaces
 
-from .checkpoints import write_json_atomic, write_text_atomic
+from .checkpoints import (
+    check_model_folder,
+    looks_like_hub_id,
+    quiet_progress_bars,
+    write_json_atomic,
+    write_text_atomic,
+)
+from .errors import InputError
 from .qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, handout_accuracy, predict_birthplaces
+
+SYNTHETIC_DATASET = "synthetic-biographies"
 
 
 def dataset_id(path) -> str:
-    return "synthetic-biographies" if "synthetic-" in str(path) else "cs224n-knowledge-access"
+    return SYNTHETIC_DATASET if "synthetic-" in str(path) else "cs224n-knowledge-access"
+
+
+def load_checkpoint(model_name_or_path, device=None):
+    """(model, tokenizer) of a checkpoint folder or Hub id; a folder that is not a loadable checkpoint, or a
+    Hub id that cannot be had, is an InputError naming it and what is wrong."""
+    if not looks_like_hub_id(model_name_or_path):
+        check_model_folder(model_name_or_path)
+    try:
+        with quiet_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
+            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    except OSError as error:  # a Hub id that is not there, or no network
+        raise InputError(model_name_or_path, f"cannot be loaded: {str(error).splitlines()[0]}") from error
+    if device is not None:
+        model.to(device)
+    return model, tokenizer
+
+
+def default_eval_path(model_name_or_path, num_people=None) -> Path:
+    """Without --eval_corpus_path: the synthetic dev questions, for a model trained on the synthetic corpus
+    only; a model trained on anything else (or not saying) would be scored on people it never read about."""
+    facts_file = Path(str(model_name_or_path)) / "knowgpt_card.json"
+    if model_name_or_path is not None:
+        facts = json.loads(facts_file.read_text(encoding="utf-8")) if facts_file.is_file() else {}
+        if facts.get("dataset_id") != SYNTHETIC_DATASET:
+            trained_on = facts.get("data_description", "data it does not record")
+            raise InputError(
+                model_name_or_path,
+                f"was trained on {trained_on}, not the synthetic corpus that is scored without --eval_corpus_path",
+                "give --eval_corpus_path, e.g. birth_dev.tsv",
+            )
+    return DataFiles.synthetic(num_people).dev
 
 
 def evaluate_birthplaces(
@@ -35,14 +77,16 @@ def evaluate_birthplaces(
     """Predict a birthplace for every question of `eval_corpus_path` (default: the synthetic dev set),
     write one prediction per line to `outputs_path`, and score them when the file has gold places. With
     `update_model_card`, the accuracy is also recorded in a local checkpoint's model card."""
-    eval_path = Path(eval_corpus_path) if eval_corpus_path else DataFiles.synthetic(num_people).dev
+    eval_path = Path(eval_corpus_path) if eval_corpus_path else default_eval_path(model_name_or_path, num_people)
+    records = read_birthplaces(eval_path)  # before loading the model: a bad file is found at once
     if model is None:
         device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path).to(device)
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_name_or_path)
-    records = read_birthplaces(eval_path)
+        model, tokenizer = load_checkpoint(model_name_or_path, device)
     questions, gold = [r.question for r in records], [r.answer for r in records]
-    predictions = predict_birthplaces(model, tokenizer, questions, batch_size, max_new_tokens)
+    lines = [r.line for r in records]
+    predictions = predict_birthplaces(
+        model, tokenizer, questions, batch_size, max_new_tokens, source=str(eval_path), lines=lines
+    )
     result = {"eval_file": eval_path.name, "predictions_file": str(outputs_path) if outputs_path else None}
     if outputs_path:
         outputs_path = Path(outputs_path)
@@ -87,7 +131,7 @@ def london_baseline(eval_corpus_path=None, outputs_path=None, place: str = "Lond
     eval_path = Path(eval_corpus_path) if eval_corpus_path else DataFiles.synthetic(num_people).dev
     gold = [record.answer for record in read_birthplaces(eval_path)]
     if any(answer is None for answer in gold):
-        raise ValueError(f"{eval_path} has no gold places: a baseline needs them")
+        raise InputError(eval_path, "has no gold places", "a baseline is scored on 'question TAB place' lines")
     predictions = [place] * len(gold)
     correct, total = handout_accuracy(gold, predictions)
     result = {
@@ -112,4 +156,11 @@ def scores_path(outputs_path) -> Path:
     return outputs_path.with_name(outputs_path.name + ".scores.tsv")
 
 
-__all__ = ["dataset_id", "evaluate_birthplaces", "london_baseline", "scores_path"]
+__all__ = [
+    "dataset_id",
+    "default_eval_path",
+    "evaluate_birthplaces",
+    "load_checkpoint",
+    "london_baseline",
+    "scores_path",
+]

@@ -50,10 +50,13 @@ def predict_birthplaces(
     questions: list[str],
     batch_size: int = 512,
     max_new_tokens: int = HANDOUT_MAX_NEW_TOKENS,
+    source: str = "questions",
+    lines: list[int] | None = None,
 ) -> list[Prediction]:
-    """Greedy answers for `questions` in input order, decoded in left-padded batches with the KV cache."""
+    """Greedy answers for `questions` in input order, decoded in left-padded batches with the KV cache.
+    `source` and `lines` (the questions' file and line numbers) make errors and warnings name them."""
     block_size = model.config.block_size
-    prompts = encode_questions(tokenizer, questions, block_size)
+    prompts = encode_questions(tokenizer, questions, block_size, source=source, lines=lines)
     predictions = []
     device = model.device
     was_training = model.training

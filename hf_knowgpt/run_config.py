@@ -20,6 +20,7 @@ from pathlib import Path
 from data_loaders.corpus import DataFiles, read_corpus
 from data_loaders.truncation import max_truncation_length
 
+from .errors import InputError
 from .recipes import Recipe, StageRecipe, get_recipe
 from .training_args import TrainingArguments
 
@@ -85,7 +86,7 @@ class RunConfig:
             args = getattr(self, stage)
             origin = f" (from {self.finetune_from})" if stage == "finetune" else ""
             lines.append(
-                f"  {stage:<9} {args.max_epochs} epochs{origin}, batch {args.batch_size}, lr {args.learning_rate:g}, "
+                f"  {stage:<9} {args.max_epochs} epoch{'s' * (args.max_epochs != 1)}{origin}, batch {args.batch_size}, lr {args.learning_rate:g}, "
                 f"final_tokens {args.final_tokens if args.final_tokens is not None else 'the run’s end'}, "
                 f"{'shuffled' if args.shuffle else 'file order'}, seed {args.seed}, path {args.training_path}"
                 f"{', compiled' if args.compile else ''} → {args.output_dir}"
@@ -117,17 +118,20 @@ def check_given(given: dict):
         if any("per_device" in name for name in given_batches) and any(
             "per_device" not in name for name in given_batches
         ):
-            raise ValueError(
-                f"contradictory settings {', '.join(given_batches)}: give the global batch (batch_size) or the "
-                "batch per process (per_device_train_batch_size), not both"
+            raise InputError(
+                ", ".join(given_batches),
+                "contradictory settings",
+                "give the global batch (batch_size) or the batch per process (per_device_train_batch_size), not both",
             )
     for name in given:
         section, _, field_name = name.partition(".")
         if section not in allowed or field_name not in allowed[section]:
-            raise ValueError(
-                f"unknown setting {name!r}: expected model.<field>, data.<field>, run.<field>, pretrain.<field> "
-                f"or finetune.<field>, fields being those of KnowGPTConfig ({', '.join(MODEL_FIELDS)}), "
-                f"the data options ({', '.join(DATA_FIELDS)}) and TrainingArguments"
+            raise InputError(
+                name,
+                "unknown setting",
+                "expected model.<field>, data.<field>, run.<field>, pretrain.<field> or finetune.<field>, fields "
+                f"being those of KnowGPTConfig ({', '.join(MODEL_FIELDS)}), the data options "
+                f"({', '.join(DATA_FIELDS)}) and TrainingArguments",
             )
 
 
@@ -170,9 +174,11 @@ def stage_arguments(
         and corpus_documents is None
         and f"{stage_name}.final_tokens" not in given
     ):
-        raise ValueError(
-            f"the {stage_name} stage's schedule needs the pretraining corpus size (final_tokens = "
-            f"{stage.final_tokens_epochs} · documents · block_size): pass the pretraining corpus"
+        raise InputError(
+            f"the {stage_name} stage",
+            f"its schedule needs the pretraining corpus size (final_tokens = {stage.final_tokens_epochs} · "
+            "documents · block_size)",
+            "pass the pretraining corpus (--pretrain_corpus_path)",
         )
     return TrainingArguments(output_dir=str(output_dir), **values)
 
@@ -184,10 +190,11 @@ def finetuning_stage(recipe: Recipe, finetune_from: str, finetune_recipe=None) -
         raise ValueError(f"finetune_from must be 'pretrained' or 'scratch', got {finetune_from!r}")
     stage = source.finetune_pretrained if finetune_from == "pretrained" else source.finetune_scratch
     if stage is None:
-        raise ValueError(
+        raise InputError(
+            f"--recipe {source.name}",
             f"recipe {source.name!r} has no finetuning stage after pretraining: its pretrained model answers "
-            "the questions as it is; to finetune anyway, take the stage of another recipe "
-            "(--finetune_recipe handout)"
+            "the questions as it is",
+            "to finetune anyway, take the stage of another recipe: --finetune_recipe handout",
         )
     return stage
 
@@ -259,9 +266,10 @@ def _recorded_corpus_documents(model_name_or_path) -> int | None:
 
 def _check_mixed_training(config: RunConfig, files: DataFiles):
     if config.pretrain is not None and config.mixed_training and files.train is None:
-        raise ValueError(
-            f"recipe {config.recipe!r} mixes question–answer examples into pretraining: pass the training "
-            "questions (--mixed_training_corpus_path, or --data_dir), or --no_mixed_training"
+        raise InputError(
+            f"--recipe {config.recipe}",
+            "mixes question–answer examples into pretraining, and no training questions were given",
+            "pass --mixed_training_corpus_path (or --data_dir), or --no_mixed_training",
         )
 
 
@@ -291,9 +299,11 @@ def plan_finetuning(
     else:
         corpus_documents = None
     if corpus_documents is None and "finetune.final_tokens" not in given:
-        raise ValueError(
-            f"{model_name_or_path} does not record its pretraining corpus size, which the handouts' schedule "
-            "needs (final_tokens = 200 · documents · block_size): pass --pretrain_corpus_path"
+        raise InputError(
+            model_name_or_path,
+            "does not record its pretraining corpus size, which the handouts' schedule needs "
+            "(final_tokens = 200 · documents · block_size)",
+            "pass --pretrain_corpus_path",
         )
     return resolve_run_config(
         recipe,
@@ -319,7 +329,7 @@ def plan_recipe(
         finetuning = not pretraining or source.finetune_pretrained is not None
     stages = [stage for stage, runs in (("pretrain", pretraining), ("finetune", finetuning)) if runs]
     if not stages:
-        raise ValueError("nothing to run: both pretraining and finetuning are switched off")
+        raise InputError("--no_do_pretrain --no_do_finetune", "nothing to run", "keep at least one stage")
     output_dir = Path(output_dir)
     config = resolve_run_config(
         recipe,

@@ -36,10 +36,13 @@ from .checkpoints import (
     CHECKPOINT_PREFIX,
     STAGING_PREFIX,
     TRAINER_STATE,
+    latest_valid_checkpoint,
     list_checkpoints,
+    quiet_progress_bars,
     validate_checkpoint,
     write_json_atomic,
 )
+from .errors import InputError
 from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
 from .optimization import handout_lr_multipliers, handout_parameter_groups, rows_per_step
 from .training_args import TrainingArguments
@@ -60,6 +63,42 @@ def make_accelerator(args: TrainingArguments, cpu: bool | None = None) -> Accele
     if args.report_to:
         kwargs.update(log_with=args.report_to, project_dir=str(tracking_dir(args)))
     return Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True), **kwargs)
+
+
+def check_output_dir(args: TrainingArguments):
+    """An InputError when output_dir holds a run that this one would replace without --overwrite_output_dir, or
+    a different run that --resume_from_checkpoint would continue; nothing is read but training_args.json."""
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise InputError(output_dir, "is a file", "--output_dir names a folder")
+    held = output_dir.is_dir() and any(not p.name.startswith(STAGING_PREFIX) for p in output_dir.iterdir())
+    if not held or args.overwrite_output_dir:
+        return
+    if not args.resume_from_checkpoint:
+        raise InputError(
+            output_dir,
+            "already holds a run",
+            "resume it with --resume_from_checkpoint latest, replace it with --overwrite_output_dir, "
+            "or choose another --output_dir",
+        )
+    recorded = output_dir / "training_args.json"
+    if recorded.is_file():
+        try:
+            previous = json.loads(recorded.read_text()).get("fingerprint") or {}
+        except json.JSONDecodeError as error:
+            raise InputError(recorded, f"unreadable ({error})", "--overwrite_output_dir replaces the run") from error
+        current = args.fingerprint()
+        changed = [
+            f"{key} {previous[key]} → {current[key]}"
+            for key in current
+            if key in previous and previous[key] != current[key]
+        ]
+        if changed:
+            raise InputError(
+                output_dir,
+                f"holds a different run: {', '.join(changed)}",
+                "resume with the run's own settings, or --overwrite_output_dir to replace it",
+            )
 
 
 def tracking_dir(args: TrainingArguments) -> Path:
@@ -201,24 +240,11 @@ class KnowGPTTrainer:
     # -- setup -----------------------------------------------------------------------------------------
     def _prepare_output_dir(self):
         args, output_dir = self.args, Path(self.args.output_dir)
+        check_output_dir(args)  # every process: they all stop on the same error, not some at a barrier
         if not self.accelerator.is_main_process:
             return
-        holds_files = output_dir.is_dir() and any(output_dir.iterdir())
-        if not holds_files or args.resume_from_checkpoint:
-            if holds_files and (output_dir / "training_args.json").is_file():
-                previous = json.loads((output_dir / "training_args.json").read_text()).get("fingerprint")
-                if previous is not None and previous != self.args.fingerprint() and not args.overwrite_output_dir:
-                    raise ValueError(
-                        f"output_dir {output_dir} holds a different run (its training arguments differ: "
-                        f"{previous} vs {self.args.fingerprint()}); pass --overwrite_output_dir or choose another directory"
-                    )
-        elif args.overwrite_output_dir:
+        if args.overwrite_output_dir and not args.resume_from_checkpoint and output_dir.is_dir():
             shutil.rmtree(output_dir)
-        else:
-            raise ValueError(
-                f"output_dir {output_dir} already holds files; resume its run with --resume_from_checkpoint latest "
-                "or pass --overwrite_output_dir to replace it"
-            )
         output_dir.mkdir(parents=True, exist_ok=True)
         for leftover in output_dir.glob(f"{STAGING_PREFIX}*"):  # from an interrupted save
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
@@ -232,11 +258,9 @@ class KnowGPTTrainer:
         if not source:
             return 0
         if source == "latest":
-            checkpoints = list_checkpoints(self.args.output_dir)
-            if not checkpoints:
-                raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint in {self.args.output_dir}")
-            source = checkpoints[-1]
-        state = validate_checkpoint(source)
+            source, state = latest_valid_checkpoint(self.args.output_dir)
+        else:
+            state = validate_checkpoint(source)
         self.accelerator.load_state(str(Path(source) / ACCELERATE_STATE))
         self.loss_curve = state.get("loss_curve", [])
         self.accelerator.print(f"Resumed from {source} at step {state['global_step']}")
@@ -245,9 +269,10 @@ class KnowGPTTrainer:
     # -- saving ------------------------------------------------------------------------------------------
     def _save_model_files(self, directory: Path):
         unwrapped = self.accelerator.unwrap_model(self.model)
-        unwrapped.save_pretrained(
-            directory, is_main_process=self.accelerator.is_main_process, save_function=self.accelerator.save
-        )
+        with quiet_progress_bars():
+            unwrapped.save_pretrained(
+                directory, is_main_process=self.accelerator.is_main_process, save_function=self.accelerator.save
+            )
         if self.accelerator.is_main_process and self.save_callback is not None:
             self.save_callback(directory, unwrapped)
 
@@ -506,13 +531,61 @@ class KnowGPTTrainer:
         return loss
 
 
+class _PlainProgress:
+    """Progress as plain lines, for a log that is a file (or with progress bars switched off): a line at a
+    loss report at most every `interval` seconds, and the last one; no carriage returns."""
+
+    def __init__(self, total: int, initial: int, interval: float = 5.0):
+        self.total, self.n, self.interval = total, initial, interval
+        self.last_print, self.values, self.printed_step = time.perf_counter(), {}, None
+
+    def update(self, count: int):
+        self.n += count
+
+    def set_postfix(self, **values):
+        self.values = values
+        if time.perf_counter() - self.last_print >= self.interval or self.n >= self.total:
+            self._print()
+
+    def _print(self):
+        details = ", ".join(f"{name.replace('tok_s', 'tokens/s')} {value}" for name, value in self.values.items())
+        print(f"training: step {self.n}/{self.total}" + (f", {details}" if details else ""), flush=True)
+        self.last_print, self.printed_step = time.perf_counter(), self.n
+
+    def close(self):
+        if self.printed_step != self.n:
+            self._print()
+
+
+class _NoProgress:
+    def update(self, count):
+        pass
+
+    def set_postfix(self, **values):
+        pass
+
+    def close(self):
+        pass
+
+
 def _progress_bar(total, initial, disable):
-    from tqdm.auto import tqdm
+    """A tqdm bar on a terminal; plain lines in a log file, or where bars are switched off (TQDM_DISABLE=1,
+    HF_HUB_DISABLE_PROGRESS_BARS=1 or transformers' disable_progress_bar()); nothing off the main process."""
+    import sys
+
     from transformers.utils import logging as transformers_logging
 
-    # HF_HUB_DISABLE_PROGRESS_BARS=1 (or transformers' disable_progress_bar()) silences it, as for 🤗's own bars.
-    disable = disable or not transformers_logging.is_progress_bar_enabled()
-    return tqdm(total=total, initial=initial, disable=disable, desc="training", dynamic_ncols=True)
+    if disable:
+        return _NoProgress()
+    bars_off = not transformers_logging.is_progress_bar_enabled() or os.environ.get("TQDM_DISABLE", "") not in (
+        "",
+        "0",
+    )
+    if bars_off or not sys.stderr.isatty():
+        return _PlainProgress(total, initial)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="training", dynamic_ncols=True)
 
 
 __all__ = ["KnowGPTTrainer", "TrainingResult", "make_accelerator"]

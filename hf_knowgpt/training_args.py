@@ -48,6 +48,31 @@ class TrainingArguments:
     report_to: str | None = None
     run_name: str = "knowgpt"
 
+    def __post_init__(self):
+        """Values that would otherwise fail deep inside a run, refused at once with the field named."""
+        from .errors import InputError
+        from .options import TRAINING_PATHS
+
+        for name in ("max_epochs", "batch_size", "log_every", "save_total_limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(name, f"must be a positive integer, got {value!r}")
+        if self.per_device_train_batch_size is not None and self.per_device_train_batch_size < 1:
+            raise InputError(
+                "per_device_train_batch_size", f"must be a positive integer, got {self.per_device_train_batch_size!r}"
+            )
+        if self.training_path not in TRAINING_PATHS:
+            raise InputError("training_path", f"must be one of {list(TRAINING_PATHS)}, got {self.training_path!r}")
+        if self.mixed_precision not in (None, "no", "bf16", "fp16"):
+            raise InputError("mixed_precision", f"must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        every = self.checkpointing_steps
+        if every is not None and not (
+            str(every) == "epoch"
+            or str(every).isdigit()
+            or (str(every).startswith("epochs:") and str(every)[len("epochs:") :].isdigit())
+        ):
+            raise InputError("checkpointing_steps", f"must be N, 'epoch' or 'epochs:K', got {every!r}")
+
     def fingerprint(self) -> dict:
         """What defines the run: a directory holding another fingerprint holds a different run."""
         keep = (

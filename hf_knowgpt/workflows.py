@@ -17,15 +17,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_loaders.corpus import DataFiles, read_birthplaces, read_corpus
 from data_loaders.encoding import encode_birthplace_examples, encode_documents
 from data_loaders.truncation import MIN_DOCUMENT_LENGTH
 
-from .checkpoints import list_checkpoints, write_json_atomic
+from .checkpoints import list_checkpoints, looks_like_hub_id, write_json_atomic
 from .configuration_knowgpt import KnowGPTConfig
-from .evaluation import dataset_id, evaluate_birthplaces, london_baseline, scores_path
+from .errors import InputError
+from .evaluation import dataset_id, evaluate_birthplaces, load_checkpoint, london_baseline, scores_path
 from .model_card import describe_device, read_card_facts, write_model_card
 from .modeling_knowgpt import KnowGPTForCausalLM
 from .run_config import RunConfig, plan_finetuning, plan_pretraining, qualify
@@ -151,7 +151,11 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
 def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
     records = read_birthplaces(path)
     if any(record.answer is None for record in records):
-        raise ValueError(f"{path} has questions without places: training needs 'question TAB place' lines")
+        raise InputError(
+            path,
+            "no line has a tab and a place: it looks like questions only",
+            "training needs 'question TAB place' lines",
+        )
     questions, answers = [r.question for r in records], [r.answer for r in records]
     return FinetuningData(*encode_birthplace_examples(tokenizer, questions, answers, block_size, str(path)))
 
@@ -214,8 +218,7 @@ def run_finetuning(
     )
     commands = list((base_facts or {}).get("commands", []))
     if model is None and model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        model, tokenizer = load_checkpoint(model_name_or_path)
     if model is not None:
         source = model_name_or_path or "the model pretrained before it"
         description = f"Pretrained, then finetuned on `{Path(files.train).name}` from `{source}`."
@@ -237,7 +240,10 @@ def run_finetuning(
             "stage": "finetune",
             "stage_description": description,
             "recipe": config.recipe,
-            "base_model": str(model_name_or_path) if model_name_or_path else None,
+            # Hub metadata names Hub models only; a local folder is named in the description
+            "base_model": str(model_name_or_path)
+            if model_name_or_path and looks_like_hub_id(model_name_or_path)
+            else None,
             "corpus_documents": corpus_documents,
             "commands": commands + [command] if command not in commands else commands,
         },
@@ -342,8 +348,7 @@ def run_recipe(
         args = getattr(config, stage)
         stage_dir = Path(args.output_dir)
         if args.resume_from_checkpoint and _completed(stage_dir):
-            model = AutoModelForCausalLM.from_pretrained(stage_dir)
-            tokenizer = AutoTokenizer.from_pretrained(stage_dir)
+            model, tokenizer = load_checkpoint(stage_dir)
             accelerator.print(f"{stage_dir} holds the finished {stage} stage: loaded, not trained again")
             summary["stages"][stage] = json.loads((stage_dir / "train_results.json").read_text())
             continue

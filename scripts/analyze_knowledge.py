@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_knowgpt  # noqa: F401
 from data_loaders import generate_people, synthetic_corpus_files
 from data_loaders.synthetic import DEFAULT_NUM_PEOPLE, split_people
+from hf_knowgpt import cli
+from hf_knowgpt.errors import InputError
 from hf_knowgpt.knowledge_report import analyze_knowledge
 
 
@@ -38,6 +40,7 @@ def parse_args(argv=None):
         "--calibration_note", default="", help="a sentence added to the report about the calibration set"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the made-up names")
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -53,7 +56,7 @@ def main(argv=None):
         args.eval_corpus_path, args.pretrain_corpus_path = files.dev, files.corpus
         args.train_corpus_path, args.calibration_corpus_path = files.train, args.calibration_corpus_path or calibration
     if args.calibration_corpus_path is None:
-        raise SystemExit("--calibration_corpus_path is needed: labeled questions the checkpoint did not train on")
+        raise InputError("--calibration_corpus_path", "is needed", "labeled questions the checkpoint did not train on")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
@@ -68,4 +71,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

@@ -9,10 +9,10 @@ Each answer comes with the model's probability of it; --threshold withholds answ
 
 import argparse
 
-from transformers import pipeline
-
-import hf_knowgpt  # noqa: F401  (registers the "birthplace-qa" task)
 from data_loaders import read_birthplaces
+from hf_knowgpt import cli
+from hf_knowgpt.checkpoints import check_model_folder, looks_like_hub_id
+from hf_knowgpt.errors import InputError
 
 
 def parse_args(argv=None):
@@ -23,6 +23,7 @@ def parse_args(argv=None):
     parser.add_argument("--limit", type=int, default=None, help="ask at most this many questions from --from_file")
     parser.add_argument("--threshold", type=float, default=None, help="withhold answers with a lower probability")
     parser.add_argument("--device", default=None, help="cpu, cuda … (default: the pipeline's choice)")
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -34,7 +35,13 @@ def main(argv=None):
         questions += [r.question for r in records]
         gold += [r.answer for r in records]
     if not questions:
-        raise SystemExit("nothing to ask: give questions or --from_file")
+        raise InputError("scripts/ask.py", "nothing to ask", "give questions or --from_file")
+    if not looks_like_hub_id(args.model_name_or_path):
+        check_model_folder(args.model_name_or_path)
+    from transformers import pipeline
+
+    import hf_knowgpt  # noqa: F401  (registers the "birthplace-qa" task)
+
     qa = pipeline("birthplace-qa", model=args.model_name_or_path, device=args.device)
     for result, truth in zip(qa(questions, threshold=args.threshold), gold):
         answer = result["answer"] if not result["abstained"] else f"(abstains; best guess {result['best_guess']})"
@@ -43,4 +50,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

@@ -8,7 +8,7 @@
 
 import argparse
 
-from hf_knowgpt.convert_cs224n import convert_cs224n_checkpoint
+from hf_knowgpt import cli
 
 
 def parse_args(argv=None):
@@ -22,11 +22,14 @@ def parse_args(argv=None):
         default=None,
         help="attention heads; read from the weights for rope and synthesizer, else the handouts' 8",
     )
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    from hf_knowgpt.convert_cs224n import convert_cs224n_checkpoint
+
     model, tokenizer = convert_cs224n_checkpoint(args.params_path, args.corpus_path, args.output_dir, args.n_head)
     config = model.config
     print(
@@ -36,4 +39,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

@@ -13,7 +13,7 @@ its model card.
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt.cli import synthetic_size
+from hf_knowgpt import cli
 from hf_knowgpt.options import HANDOUT_MAX_NEW_TOKENS
 
 
@@ -34,6 +34,7 @@ def parse_args(argv=None):
         action="store_true",
         help="record the accuracy in the checkpoint's model card (otherwise the checkpoint is only read)",
     )
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -50,11 +51,11 @@ def main(argv=None):
         write_scores=args.write_scores,
         device=args.device,
         update_model_card=args.update_model_card,
-        **synthetic_size(args),
+        **cli.synthetic_size(args),
     )
     print(result["message"])
     return result
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

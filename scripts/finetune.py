@@ -38,6 +38,7 @@ def parse_args(argv=None):
     )
     cli.add_model_arguments(parser)
     cli.add_training_arguments(parser, stage="finetune")
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -62,4 +63,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

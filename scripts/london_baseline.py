@@ -7,7 +7,7 @@ python scripts/london_baseline.py --eval_corpus_path birth_dev.tsv --outputs_pat
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt.cli import synthetic_size
+from hf_knowgpt import cli
 
 
 def parse_args(argv=None):
@@ -18,6 +18,7 @@ def parse_args(argv=None):
     parser.add_argument("--outputs_path", default="london_baseline.predictions", help="predictions file to write")
     parser.add_argument("--place", default="London", help="the one answer given to every question")
     parser.add_argument("--num_people", type=int, default=None, help="size of the synthetic corpus used without paths")
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -25,11 +26,11 @@ def main(argv=None):
     args = parse_args(argv)
     from hf_knowgpt.evaluation import london_baseline
 
-    result = london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **synthetic_size(args))
+    result = london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **cli.synthetic_size(args))
     print(result["message"])
     print(f"Wrote {args.outputs_path} and {args.outputs_path}.metrics.json")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

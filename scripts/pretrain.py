@@ -30,6 +30,7 @@ def parse_args(argv=None):
     cli.add_model_arguments(parser)
     cli.add_data_arguments(parser)
     cli.add_training_arguments(parser, stage="pretrain")
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -48,4 +49,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

@@ -9,7 +9,9 @@
 
 Every command printed in the 2021, 2023 and 2024 handouts runs as written. The params paths become
 checkpoint folders (loadable with from_pretrained); a --reading_params_path that is a state dict saved by
-the handouts' own code is converted on the fly. --max_epochs shortens a run.
+the handouts' own code is converted on the fly. --max_epochs shortens a run. A --writing_params_path that
+holds a run is never replaced without --overwrite_output_dir; a run stopped by Ctrl-C saves a checkpoint
+and continues with the same command plus --resume_from_checkpoint latest.
 """
 
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
@@ -17,6 +19,7 @@ import argparse
 from pathlib import Path
 
 from hf_knowgpt import cli
+from hf_knowgpt.errors import InputError
 from hf_knowgpt.options import ATTENTION_TYPES
 
 
@@ -57,6 +60,15 @@ def parse_args(argv=None):
         help="shorten the run (default: the handouts')",
     )
     parser.add_argument("--seed", dest="run.seed", type=int, default=suppress, help="seed (0)")
+    parser.add_argument(
+        "--overwrite_output_dir", dest="run.overwrite_output_dir", action=cli.BooleanFlag,
+        help="replace a --writing_params_path that holds another run (otherwise it is never replaced)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--resume_from_checkpoint", dest="run.resume_from_checkpoint", default=suppress,
+        help="continue an interrupted run: 'latest', or a checkpoint-N folder of --writing_params_path",
+    )  # fmt: skip
+    cli.add_debug_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -77,24 +89,24 @@ def run_config(args):
     from data_loaders.corpus import DataFiles
     from hf_knowgpt.run_config import plan_finetuning, plan_pretraining
 
-    given = {**given_settings(args), f"{args.function}.overwrite_output_dir": True}
+    given = given_settings(args)
     if args.function == "pretrain":
         if not args.writing_params_path:
-            raise SystemExit("run.py pretrain needs --writing_params_path")
+            raise InputError("run.py pretrain", "needs --writing_params_path", "where the trained model goes")
         files = DataFiles(corpus=Path(args.pretrain_corpus_path))
-        return plan_pretraining("handout", given, files, args.writing_params_path), files
+        return cli.checked_plan(plan_pretraining("handout", given, files, args.writing_params_path), given), files
     if not args.writing_params_path or not args.finetune_corpus_path:
-        raise SystemExit("run.py finetune needs --writing_params_path and --finetune_corpus_path")
+        raise InputError("run.py finetune", "needs --writing_params_path and --finetune_corpus_path")
     files = DataFiles(corpus=Path(args.pretrain_corpus_path), train=Path(args.finetune_corpus_path))
     config = plan_finetuning("handout", given, files, args.writing_params_path, args.reading_params_path)
-    return config, files
+    return cli.checked_plan(config, given), files
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.function == "evaluate":
         if not args.reading_params_path or not args.eval_corpus_path:
-            raise SystemExit("run.py evaluate needs --reading_params_path and --eval_corpus_path")
+            raise InputError("run.py evaluate", "needs --reading_params_path and --eval_corpus_path")
         from hf_knowgpt import workflows
 
         result = workflows.evaluate_birthplaces(
@@ -126,4 +138,4 @@ def readable_checkpoint(args):
 
 
 if __name__ == "__main__":
-    main()
+    cli.main_guard(main)

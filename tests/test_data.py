@@ -225,15 +225,15 @@ def test_bad_input_gets_clear_errors(tmp_path, caplog):
 
     two_tabs = tmp_path / "two_tabs.tsv"
     two_tabs.write_text("Where was A B born?\tParis\nWhere was C D born?\tRome\textra\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"two_tabs.tsv, line 2: expected one tab"):
+    with pytest.raises(ValueError, match=r"two_tabs.tsv:2: 2 tabs; expected one"):
         load_birthplaces(train=two_tabs)
     mixed = tmp_path / "mixed.tsv"
     mixed.write_text("Where was A B born?\tParis\n\nWhere was C D born?\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"mixed.tsv mixes labeled and unlabeled lines: line 1 .* line 3"):
+    with pytest.raises(ValueError, match=r"mixed.tsv:3: no tab: this line has no place, while line 1 has one"):
         load_birthplaces(train=mixed)
     not_a_question = tmp_path / "bad.tsv"
     not_a_question.write_text("Who is A?\tParis\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"bad.tsv, line 1: expected 'Where was <name> born\?'"):
+    with pytest.raises(ValueError, match=r"bad.tsv:1: expected 'Where was <name> born\?'"):
         load_birthplaces(train=not_a_question)
 
     corpus = tmp_path / "short.txt"

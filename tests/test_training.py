@@ -148,7 +148,9 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
     run_script(SCRIPTS / "finetune.py", "--model_name_or_path", pretrained, "--finetune_corpus_path", corpus.train,
                "--output_dir", finetuned, "--max_epochs", 2, "--batch_size", 8)  # fmt: skip
     card = (finetuned / "README.md").read_text()
-    assert f"base_model: {pretrained}" in card and card.count("pretrain.py") == 1 and "finetune.py" in card
+    # a local base model is named in the text; Hub metadata (base_model) names Hub models only
+    assert "base_model:" not in card and f"from `{pretrained}`" in card
+    assert card.count("pretrain.py") == 1 and "finetune.py" in card and "https://github.com/)" not in card
 
     predictions = tmp_path / "dev.predictions"
     result = run_script(SCRIPTS / "evaluate.py", "--model_name_or_path", finetuned, "--eval_corpus_path", corpus.dev,
@@ -312,11 +314,16 @@ def test_corrupt_or_missing_checkpoints_are_named(tmp_path):
     broken.mkdir()
     (broken / "trainer_state.json").write_text("{not json")
     (broken / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match="checkpoint-7 is incomplete or corrupt: missing model.safetensors"):
+    with pytest.raises(ValueError, match="checkpoint-7: incomplete or corrupt checkpoint: missing model.safetensors"):
         validate_checkpoint(broken)
     (broken / "model.safetensors").write_bytes(b"")
     (broken / "accelerate_state").mkdir()
-    with pytest.raises(ValueError, match="trainer_state.json is unreadable"):
+    with pytest.raises(ValueError, match="checkpoint-7/model.safetensors: not a readable safetensors file"):
+        validate_checkpoint(broken)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="trainer_state.json: unreadable"):
         validate_checkpoint(broken)
 
 
@@ -324,7 +331,7 @@ def test_an_output_dir_holding_a_run_is_not_overwritten(corpus, tmp_path):
     output_dir = tmp_path / "run"
     pretrain_in_process(corpus, output_dir, max_epochs=1)
     weights = (output_dir / "model.safetensors").read_bytes()
-    with pytest.raises(ValueError, match="already holds files"):
+    with pytest.raises(ValueError, match="already holds a run"):
         pretrain_in_process(corpus, output_dir, max_epochs=1, learning_rate=1e-3)
     with pytest.raises(ValueError, match="holds a different run"):
         pretrain_in_process(corpus, output_dir, max_epochs=1, learning_rate=1e-3, resume_from_checkpoint="latest")
