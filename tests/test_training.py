@@ -203,6 +203,21 @@ def test_two_processes_under_accelerate_train_like_one(corpus, tmp_path):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == sorted(p.name for p in (tmp_path / "one").iterdir())
 
 
+def test_the_one_command_runs_a_whole_recipe_in_two_processes(corpus, tmp_path):
+    """scripts/train.py under `accelerate launch --multi_gpu --num_processes 2` (CPUs: gloo): both stages, one
+    dev score printed once, the test predictions and results written by the first process."""
+    launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")  # fmt: skip
+    result = run_script(SCRIPTS / "train.py", "--recipe", "quickstart", "--pretrain_corpus_path", corpus.corpus,
+                        "--train_corpus_path", corpus.train, "--eval_corpus_path", corpus.dev, "--test_corpus_path",
+                        corpus.test, "--pretrain_max_epochs", 2, "--finetune_max_epochs", 1, "--output_dir",
+                        tmp_path / "run", launcher=launcher)  # fmt: skip
+    assert result.stdout.count("Correct: ") == 1 and result.stdout.count("run configuration: recipe") == 1
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["stages"]["pretrain"]["num_processes"] == 2 and results["dev"]["total"] == 12
+    assert len((tmp_path / "run" / "test.predictions").read_text().split("\n")) - 1 == 12
+
+
 # -- resuming and faults -------------------------------------------------------------------------------------------
 
 
