@@ -95,6 +95,14 @@ def add_data_arguments(parser: argparse.ArgumentParser):
         action=BooleanFlag,
         help="mix the training questions into every pretraining epoch (knowledge recipe: on)",
     )
+    _value(
+        group, "--document_repeats", "data.document_repeats", "each pretraining document this many times per "
+        "epoch, corrupted afresh each time (1)", type=int,
+    )  # fmt: skip
+    _value(
+        group, "--question_repeats", "data.question_repeats", "each mixed-in question this many times per epoch (1)",
+        type=int,
+    )  # fmt: skip
 
 
 def _tracker(value: str):

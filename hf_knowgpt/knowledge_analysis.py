@@ -96,6 +96,65 @@ def auroc(positive_scores, negative_scores) -> float:
     return float((greater + 0.5 * ties) / (len(positive) * len(negative)))
 
 
+@dataclass
+class Breakdown:
+    """Accuracy of the questions falling in each bucket of one property of the person."""
+
+    name: str
+    buckets: list  # (label, questions, accuracy)
+
+
+def _bucketed(name, values, correct, edges, labels, missing_label=None):
+    correct = np.asarray(correct, dtype=float)
+    rows = []
+    if missing_label is not None:
+        members = np.array([v is None for v in values])
+        rows.append(
+            (missing_label, int(members.sum()), float(correct[members].mean()) if members.any() else float("nan"))
+        )
+    numbers = np.array([-1 if v is None else v for v in values], dtype=float)
+    for (low, high), label in zip(zip(edges[:-1], edges[1:]), labels):
+        members = (numbers >= low) & (numbers < high)
+        rows.append((label, int(members.sum()), float(correct[members].mean()) if members.any() else float("nan")))
+    return Breakdown(name, rows)
+
+
+def person_lines(names, corpus_lines) -> list:
+    """Each person's biography: the first corpus line naming them (None when no line does)."""
+    found = {}
+    for line in corpus_lines:
+        for name in names:
+            if name not in found and name in line:
+                found[name] = line
+    return [found.get(name) for name in names]
+
+
+def knowledge_breakdowns(names, gold_places, correct, corpus_lines, train_places) -> list[Breakdown]:
+    """Accuracy by where the gold place first appears in the person's biography (character offset; absent
+    when it does not), by how many training people share that place, and by the biography's length."""
+    lines = person_lines(names, corpus_lines)
+    offsets = [
+        None if line is None or place not in line else line.index(place) for line, place in zip(lines, gold_places)
+    ]
+    counts = Counter(train_places)
+    shared = [counts[place] for place in gold_places]
+    lengths = [None if line is None else len(line) for line in lines]
+    return [
+        _bucketed(
+            "character offset of the place in the biography", offsets, correct,
+            [0, 25, 50, 75, 100, 10**6], ["0–24", "25–49", "50–74", "75–99", "100+"], missing_label="absent",
+        ),
+        _bucketed(
+            "training people born in the same place", shared, correct,
+            [0, 1, 2, 6, 21, 10**6], ["0", "1", "2–5", "6–20", "21+"],
+        ),
+        _bucketed(
+            "length of the biography (characters)", lengths, correct,
+            [0, 75, 100, 125, 150, 10**6], ["<75", "75–99", "100–124", "125–149", "150+"], missing_label="no line",
+        ),
+    ]  # fmt: skip
+
+
 def place_distribution(places, top: int = 10):
     counts = Counter(places)
     total = sum(counts.values())
@@ -103,6 +162,9 @@ def place_distribution(places, top: int = 10):
 
 
 __all__ = [
+    "Breakdown",
+    "knowledge_breakdowns",
+    "person_lines",
     "ReliabilityBin",
     "Threshold",
     "apply_threshold",

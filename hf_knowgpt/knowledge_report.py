@@ -19,6 +19,7 @@ from .knowledge_analysis import (
     apply_threshold,
     area_under_accuracy_coverage,
     auroc,
+    knowledge_breakdowns,
     place_distribution,
     reliability,
     selective_accuracy,
@@ -96,7 +97,31 @@ def analyze_knowledge(
         top = Counter(answers).most_common(3)
         origin_rows.append((style, len(answers), in_region, base_rate, top))
 
+    breakdowns = []
+    if corpus_path:
+        corpus_lines = Path(corpus_path).read_text(encoding="utf-8").split("\n")
+        breakdowns = knowledge_breakdowns(
+            [r.name for r in evaluation], [r.answer for r in evaluation], eval_correct, corpus_lines, train_places
+        )
+
     # -- plots -----------------------------------------------------------------------------------------------------
+    if breakdowns:
+        figure, axes = plt.subplots(1, len(breakdowns), figsize=(5 * len(breakdowns), 3.8))
+        for axis, breakdown in zip(axes, breakdowns):
+            labels = [label for label, count, _ in breakdown.buckets if count]
+            values = [100 * accuracy for _, count, accuracy in breakdown.buckets if count]
+            counts = [count for _, count, _ in breakdown.buckets if count]
+            bars = axis.bar(labels, values, color="tab:blue", alpha=0.75)
+            for bar, count in zip(bars, counts):
+                axis.annotate(f"n={count}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                              va="bottom", fontsize=7)  # fmt: skip
+            axis.set_title(breakdown.name, fontsize=9)
+            axis.set_ylabel("exact match (%)")
+            axis.tick_params(axis="x", labelsize=8)
+        figure.tight_layout()
+        figure.savefig(output_dir / "accuracy_breakdowns.png", dpi=120)
+        plt.close(figure)
+
     figure, axis = plt.subplots(figsize=(5.5, 4))
     axis.plot(coverage * 100, accuracy * 100, label="most confident first")
     axis.axhline(eval_correct.mean() * 100, color="gray", linestyle=":", label="answering everything")
@@ -157,6 +182,7 @@ def analyze_knowledge(
         "auroc_seen_vs_unseen": seen_vs_unseen,
         "mean_score_seen": float(eval_scores.mean()),
         "mean_score_unseen": float(unseen_scores.mean()),
+        "breakdowns": {b.name: b.buckets for b in breakdowns},
     }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
@@ -183,6 +209,30 @@ def analyze_knowledge(
         "![accuracy against coverage](accuracy_coverage.png) ![reliability](reliability.png) "
         "![seen and unseen scores](seen_unseen_scores.png)",
         "",
+        *(
+            [
+                "## Accuracy by property of the person",
+                "",
+                "![accuracy by offset, shared place and length](accuracy_breakdowns.png)",
+                "",
+                *[
+                    line
+                    for breakdown in breakdowns
+                    for line in [
+                        f"| {breakdown.name} | questions | exact match |",
+                        "|---|---|---|",
+                        *[
+                            f"| {label} | {count} | {100 * accuracy:.1f}% |"
+                            for label, count, accuracy in breakdown.buckets
+                            if count
+                        ],
+                        "",
+                    ]
+                ],
+            ]
+            if breakdowns
+            else []
+        ),
         "## Reliability",
         "",
         "| score bin | questions | mean score | fraction correct |",

@@ -31,6 +31,10 @@ class Recipe:
     mixed_training: bool = False  # question–answer examples of the training people join pretraining
     # span corruption's shortest truncation (handout: 4); capped at ⌊7B/8⌋ for a smaller block_size
     min_truncation_length: int = MIN_DOCUMENT_LENGTH
+    # knowledge augmentation by repetition: each document this many times per epoch (each time corrupted
+    # afresh), each mixed-in question–answer example this many times
+    document_repeats: int = 1
+    question_repeats: int = 1
 
 
 HANDOUT = Recipe(

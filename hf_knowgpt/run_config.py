@@ -5,7 +5,8 @@ What the user gave arrives as a dict of qualified names, only for flags actually
 argparse defaults are `SUPPRESS`):
 
 - `model.<field>`: a `KnowGPTConfig` field (`model.attention_type`, `model.n_embd`, ...);
-- `data.<field>`: `data.min_truncation_length`, `data.mixed_training`;
+- `data.<field>`: `data.min_truncation_length`, `data.mixed_training`, `data.document_repeats`,
+  `data.question_repeats`;
 - `pretrain.<field>` / `finetune.<field>`: a `TrainingArguments` field of that stage only;
 - `run.<field>`: a `TrainingArguments` field of every stage (seed, training path, logging, ...).
 
@@ -37,7 +38,7 @@ MODEL_FIELDS = (
     "attn_pdrop",
     "attention_kernel_dtype",
 )
-DATA_FIELDS = ("min_truncation_length", "mixed_training")
+DATA_FIELDS = ("min_truncation_length", "mixed_training", "document_repeats", "question_repeats")
 TRAINING_FIELDS = tuple(f.name for f in fields(TrainingArguments) if f.name != "output_dir")
 STAGES = ("pretrain", "finetune")
 SECTIONS = ("model", "data", "run", *STAGES)
@@ -52,6 +53,8 @@ class RunConfig:
     model: dict
     min_truncation_length: int
     mixed_training: bool
+    document_repeats: int = 1  # each pretraining document this many times per epoch, corrupted afresh each time
+    question_repeats: int = 1  # each mixed-in question–answer example this many times per epoch
     pretrain: TrainingArguments | None = None
     finetune: TrainingArguments | None = None
     finetune_from: str | None = None  # "pretrained" or "scratch" when there is a finetuning stage
@@ -80,7 +83,9 @@ class RunConfig:
             + (f", bottleneck {model['bottleneck_dim']}" if model["attention_type"] == "perceiver" else "")
             + (f", rope_theta {model['rope_theta']:g}" if model["attention_type"] == "rope" else ""),
             f"  data      shortest truncation {self.min_truncation_length}, "
-            f"mixed training {'on' if self.mixed_training else 'off'}",
+            f"mixed training {'on' if self.mixed_training else 'off'}"
+            + (f", documents ×{self.document_repeats}" if self.document_repeats != 1 else "")
+            + (f", questions ×{self.question_repeats}" if self.mixed_training and self.question_repeats != 1 else ""),
         ]
         for stage in self.stages:
             args = getattr(self, stage)
@@ -231,8 +236,14 @@ def resolve_run_config(
         model=model,
         min_truncation_length=min_truncation_length,
         mixed_training=given.get("data.mixed_training", recipe.mixed_training),
+        document_repeats=given.get("data.document_repeats", recipe.document_repeats),
+        question_repeats=given.get("data.question_repeats", recipe.question_repeats),
         given=given,
     )
+    for name in ("document_repeats", "question_repeats"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"--{name}", f"must be a positive integer, got {value!r}")
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; choose from {list(STAGES)}")

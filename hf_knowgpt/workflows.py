@@ -171,18 +171,26 @@ def run_pretraining(
     model = model or new_model(tokenizer, config.model, args.seed)
     block_size = model.config.block_size
     accelerator = accelerator or make_accelerator(args)
+    encoded, lengths = encode_documents(tokenizer, documents, block_size, str(files.corpus))
+    repeats = config.document_repeats  # every copy draws its own corruption
     data = PretrainingData(
-        *encode_documents(tokenizer, documents, block_size, str(files.corpus)),
-        block_size,
-        config.min_truncation_length,
+        encoded.repeat(repeats, 1), lengths.repeat(repeats), block_size, config.min_truncation_length
     )
     description = f"span corruption on `{Path(files.corpus).name}` ({len(documents)} documents)"
+    if repeats != 1:
+        description += f", each {repeats} times per epoch"
     if config.min_truncation_length != MIN_DOCUMENT_LENGTH:
         description += f", documents truncated to at least {config.min_truncation_length} characters"
     if config.mixed_training:
         questions = _birthplace_examples(tokenizer, files.train, block_size)
-        data = MixedData(data, questions)
         description += f", mixed with the {questions.num_examples} questions of `{Path(files.train).name}`"
+        if config.question_repeats != 1:
+            description += f", each {config.question_repeats} times per epoch"
+            questions = FinetuningData(
+                questions.input_ids.repeat(config.question_repeats, 1),
+                questions.labels.repeat(config.question_repeats, 1),
+            )
+        data = MixedData(data, questions)
     card = dict(
         data_description=description,
         dataset_id=dataset_id(files.corpus),

@@ -131,9 +131,29 @@ def test_knowledge_report_end_to_end_on_the_synthetic_corpus(tmp_path):
     assert summary["eval_questions"] == 12 and summary["unseen_people"] == 40
     assert 0.0 <= summary["auroc_seen_vs_unseen"] <= 1.0 and 0.0 <= summary["expected_calibration_error"] <= 1.0
     text = (report / "report.md").read_text()
-    for plot in ("accuracy_coverage.png", "reliability.png", "seen_unseen_scores.png"):
+    for plot in ("accuracy_coverage.png", "reliability.png", "seen_unseen_scores.png", "accuracy_breakdowns.png"):
         assert (report / plot).stat().st_size > 1000 and plot in text
+    offsets = summary["breakdowns"]["character offset of the place in the biography"]
+    assert sum(count for _, count, _ in offsets) == 12  # every dev person in one bucket
     assert "made up" in text and "| name style |" in text
     corpus_text = files.corpus.read_text()
     unseen_names = [line.split("Where was ")[1].split(" born?")[0] for line in text.splitlines() if "made up" in line]
     assert unseen_names and not any(name in corpus_text for name in unseen_names)
+
+
+def test_breakdowns_bucket_people_by_offset_shared_place_and_length():
+    from hf_knowgpt.knowledge_analysis import knowledge_breakdowns
+
+    corpus = [
+        "Ann Lee was born in Paris and lived in Rome.",  # Paris at 20
+        "Bob Ray, a painter, grew up far away in the city of Lyon, where he studied until 1900 and later taught.",
+        "Cal Doe is a writer.",  # the place is absent
+    ]
+    names, places, correct = ["Ann Lee", "Bob Ray", "Cal Doe"], ["Paris", "Lyon", "Oslo"], [1, 0, 1]
+    train_places = ["Paris"] * 7 + ["Lyon"]
+    offset, shared, length = knowledge_breakdowns(names, places, correct, corpus, train_places)
+    assert dict((label, (n, a)) for label, n, a in offset.buckets if n) == {
+        "absent": (1, 1.0), "0–24": (1, 1.0), "50–74": (1, 0.0),
+    }  # fmt: skip
+    assert dict((label, n) for label, n, _ in shared.buckets if n) == {"0": 1, "1": 1, "6–20": 1}
+    assert dict((label, n) for label, n, _ in length.buckets if n) == {"<75": 2, "100–124": 1}

@@ -58,6 +58,8 @@ def flatten(config) -> dict:
     flat = {f"model.{name}": value for name, value in config.model.items()}
     flat["data.min_truncation_length"] = config.min_truncation_length
     flat["data.mixed_training"] = config.mixed_training
+    flat["data.document_repeats"] = config.document_repeats
+    flat["data.question_repeats"] = config.question_repeats
     flat["finetune_from"] = config.finetune_from
     for stage in STAGES:
         args = getattr(config, stage)
@@ -113,6 +115,7 @@ def test_documented_commands_resolve_to_the_recipe(name, data, tmp_path):
     assert config.model == expected_model(recipe)
     assert asdict(config.pretrain) == expected_stage(recipe.pretrain, documents, block, tmp_path / "p")
     assert (config.min_truncation_length, config.mixed_training) == (truncation, recipe.mixed_training)
+    assert (config.document_repeats, config.question_repeats) == (recipe.document_repeats, recipe.question_repeats)
     assert config.finetune is None and config.given == {}
 
     scratch = resolve(FINETUNE, finetune_argv(name, data, tmp_path / "s", from_checkpoint=False))
@@ -191,6 +194,8 @@ PRETRAIN_ONLY_FLAGS = [
     ("handout", ["--min_truncation_length", "8"], {"data.min_truncation_length": 8}),
     ("handout", ["--mixed_training"], {"data.mixed_training": True}),
     ("knowledge", ["--no_mixed_training"], {"data.mixed_training": False}),
+    ("handout", ["--document_repeats", "3"], {"data.document_repeats": 3}),
+    ("knowledge", ["--question_repeats", "2"], {"data.question_repeats": 2}),
 ]
 
 

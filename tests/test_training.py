@@ -260,6 +260,20 @@ def test_per_device_batch_is_multiplied_by_the_processes(corpus, tmp_path):
     assert metrics["global_step"] == -(-len(corpus.corpus.read_text().strip().split("\n")) // 8)
 
 
+def test_repeated_documents_and_questions_fill_the_epoch(corpus, tmp_path):
+    """Knowledge augmentation by repetition: each document K times per epoch (corrupted afresh each time),
+    each mixed-in question R times."""
+    documents = len(corpus.corpus.read_text().strip().split("\n"))
+    questions = len(corpus.train.read_text().strip().split("\n"))
+    _, metrics = workflows.pretrain(
+        tmp_path / "run", pretrain_corpus_path=corpus.corpus, mixed_training_corpus_path=corpus.train,
+        recipe="knowledge", **TINY_OVERRIDES, max_epochs=1, batch_size=16, document_repeats=3, question_repeats=2,
+    )  # fmt: skip
+    assert metrics["global_step"] == -(-(3 * documents + 2 * questions) // 16)
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "each 3 times per epoch" in card and "each 2 times per epoch" in card
+
+
 def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):
     _, whole = pretrain_in_process(corpus, tmp_path / "whole", log_every=1)
     _, start = pretrain_in_process(corpus, tmp_path / "start", log_every=1, stop_after_steps=5)
