@@ -9,7 +9,7 @@ Names are imported from their modules on first use, so `import data_loaders` cos
 file does not load torch or `datasets` (the scripts start in a second instead of several).
 """
 
-import importlib
+from hf_knowgpt.lazy import lazy_exports
 
 _EXPORTS = {
     "builders": ["BirthplaceBuilder", "CorpusBuilder", "load_birthplaces", "load_corpus"],
@@ -44,19 +44,4 @@ _EXPORTS = {
     ],
     "truncation": ["MIN_DOCUMENT_LENGTH", "max_truncation_length"],
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_MODULE_OF])
-
-
-__all__ = sorted(_MODULE_OF)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

@@ -7,9 +7,8 @@ their modules on first use, and each registration runs when the transformers mod
 imported (`hf_knowgpt.auto_registration`), so `import hf_knowgpt` takes milliseconds.
 """
 
-import importlib
-
 from . import auto_registration
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -21,21 +20,6 @@ _EXPORTS = {
     "tokenization_knowgpt": ["MASK_CHAR", "PAD_CHAR", "UNK_CHAR", "KnowGPTTokenizerFast"],
     "auto_registration": ["register_auto_classes"],
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-
-def __getattr__(name):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_MODULE_OF])
-
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
 
 auto_registration.install()
-
-__all__ = sorted(_MODULE_OF)

@@ -14,10 +14,7 @@ import sys
 
 from .options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, TRAINING_PATHS
 from .recipes import RECIPES
-
-SECTIONS = ("model", "data", "run", "pretrain", "finetune")
-# Fields that differ between pretraining and finetuning: train.py (both stages) has a flag per stage.
-STAGE_FIELDS = ("max_epochs", "batch_size", "learning_rate", "final_tokens", "shuffle")
+from .run_config import SECTIONS
 
 
 class BooleanFlag(argparse.Action):
@@ -57,12 +54,9 @@ def add_recipe_argument(parser):
     )
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, attention_type_flag: bool = True):
+def add_model_arguments(parser: argparse.ArgumentParser):
     group = parser.add_argument_group("model (defaults: the recipe's)")
-    if attention_type_flag:
-        _value(
-            group, "--attention_type", dest="model.attention_type", choices=ATTENTION_TYPES, help="attention variant"
-        )
+    _value(group, "--attention_type", dest="model.attention_type", choices=ATTENTION_TYPES, help="attention variant")
     _value(group, "--n_layer", dest="model.n_layer", type=int, help="transformer blocks (handout: 4)")
     _value(group, "--n_head", dest="model.n_head", type=int, help="attention heads (handout: 8)")
     _value(group, "--n_embd", dest="model.n_embd", type=int, help="width (handout: 256)")
@@ -114,7 +108,8 @@ def _tracker(value: str):
 
 
 def add_stage_arguments(group, stage: str, prefix: str = ""):
-    """The flags of the fields in STAGE_FIELDS for one stage; `prefix` names the stage in train.py."""
+    """The flags of the fields that differ between pretraining and finetuning, for one stage; `prefix` names
+    the stage in train.py, which has both."""
     flag = f"--{prefix}"
     if prefix:
         _value(group, f"{flag}max_epochs", dest=f"{stage}.max_epochs", type=int, help=f"{stage} epochs")
@@ -147,7 +142,7 @@ def add_stage_arguments(group, stage: str, prefix: str = ""):
 
 def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
     """Training flags: for one stage (`pretrain.py`, `finetune.py`), or for both (`stage=None`: train.py,
-    where the STAGE_FIELDS take a `--pretrain_` or `--finetune_` prefix and the rest apply to both)."""
+    where the stage fields take a `--pretrain_` or `--finetune_` prefix and the rest apply to both)."""
     group = parser.add_argument_group("training (defaults: the recipe's)")
     section = stage or "run"
     if stage:

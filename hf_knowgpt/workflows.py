@@ -260,10 +260,6 @@ def run_finetuning(
     return model, tokenizer, metrics
 
 
-def _synthetic_or(files: DataFiles | None, num_people) -> DataFiles:
-    return files if files is not None else DataFiles.synthetic(num_people)
-
-
 def pretrain(
     output_dir,
     recipe: str = "handout",

@@ -51,6 +51,19 @@ def tiny_config(attention_type="vanilla", **overrides):
     return KnowGPTConfig(**values)
 
 
+def perturbed_model(attention_type, **overrides):
+    """A tiny KnowGPTForCausalLM in eval mode whose every parameter matters (the handout init zeroes some
+    tensors, so all are perturbed)."""
+    from hf_knowgpt import KnowGPTForCausalLM
+
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config(attention_type, **overrides)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return model
+
+
 def load_script(name: str):
     """A script of scripts/ as a module (its parse_args and run_config), as `python scripts/<name>.py` runs it."""
     import importlib.util

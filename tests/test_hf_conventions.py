@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ATTENTION_TYPES, tiny_config
+from conftest import ATTENTION_TYPES, perturbed_model, tiny_config
 from transformers import pipeline
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -23,13 +23,7 @@ CACHE_RENAMED = "cache" in CausalLMOutputWithPast.__dataclass_fields__
 BATCH, LENGTH = 2, 10
 
 
-def make_model(attention_type, **overrides):
-    torch.manual_seed(0)
-    model = KnowGPTForCausalLM(tiny_config(attention_type, **overrides)).eval()
-    with torch.no_grad():  # the handout init zeroes some tensors; perturb so every parameter matters
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn_like(parameter))
-    return model
+make_model = perturbed_model
 
 
 def inputs():
