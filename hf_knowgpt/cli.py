@@ -310,6 +310,8 @@ def finetuning_plan(args):
 
 def recipe_plan(args):
     """(RunConfig, DataFiles) of `scripts/train.py`: the whole recipe."""
+    from data_loaders.corpus import read_birthplaces
+
     from .run_config import plan_recipe
 
     given = given_settings(args)
@@ -320,6 +322,9 @@ def recipe_plan(args):
         dev=args.eval_corpus_path,
         test=args.test_corpus_path,
     )
+    for questions in (files.dev, files.test):  # read now: evaluation runs on the first process only, at the end
+        if questions is not None:
+            read_birthplaces(questions)
     if args.output_dir is None:
         attention_type = given.get("model.attention_type", RECIPES[args.recipe].attention_type)
         args.output_dir = f"outputs/{args.recipe}-{attention_type}"

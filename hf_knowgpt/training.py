@@ -240,7 +240,10 @@ class KnowGPTTrainer:
     # -- setup -----------------------------------------------------------------------------------------
     def _prepare_output_dir(self):
         args, output_dir = self.args, Path(self.args.output_dir)
-        check_output_dir(args)  # every process: they all stop on the same error, not some at a barrier
+        # Every process checks the folder as it is, before the first one changes it: all stop on the same
+        # error (none waits at a barrier for one that stopped), or none does.
+        check_output_dir(args)
+        self.accelerator.wait_for_everyone()
         if not self.accelerator.is_main_process:
             return
         if args.overwrite_output_dir and not args.resume_from_checkpoint and output_dir.is_dir():
