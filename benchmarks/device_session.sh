@@ -4,10 +4,10 @@
 # The machine has torch, transformers and accelerate but not datasets/evaluate: their wheels travel in .whl/
 # (../shared/device/wheels.sh), and the CS224N files in .data/ (both git-ignored, named in `carry`).
 #
-# Its Python packages come without bytecode caches (.pyc), which `pip install` writes on any ordinary
-# machine: every process would compile torch's and transformers' sources again (5-7 s each, measured with
-# cProfile on an H100). Bytecode goes to /tmp/pycache instead, and one import of the stack fills it before
-# anything is timed, as an install would have.
+# Its processes did not reuse the packages' bytecode caches (.pyc), which `pip install` leaves on any
+# ordinary machine: a process run after several others still spent 5.8 s compiling torch's and
+# transformers' sources (cProfile, H100). Bytecode goes to /tmp/pycache instead, and one import of the
+# stack fills it before anything is timed, as an install would have.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" KNOWGPT_DATA="$PWD/.data" KNOWGPT_CACHE=/tmp/knowgpt-cache
