@@ -250,10 +250,9 @@ def _refuse_model_flags_for_a_checkpoint(args, given):
         )
 
 
-def checked_plan(config, given: dict, model_name_or_path=None):
-    """The plan, checked before anything heavy runs: the model's configuration (a new model's), the checkpoint
-    to start from, and every stage's output folder."""
-    from .checkpoints import check_model_folder, looks_like_hub_id
+def checked_plan(config, given: dict):
+    """The plan, checked before anything heavy runs: a new model's configuration and every stage's output
+    folder (a checkpoint to start from is checked where it is read)."""
     from .errors import InputError
     from .training import check_output_dir
 
@@ -267,8 +266,6 @@ def checked_plan(config, given: dict, model_name_or_path=None):
                 f"--{name.split('.', 1)[1]} {value}" for name, value in given.items() if name.startswith("model.")
             )
             raise InputError(flags or f"--recipe {config.recipe}", str(error)) from None
-    if model_name_or_path is not None and not looks_like_hub_id(model_name_or_path):
-        check_model_folder(model_name_or_path)
     for stage in config.stages:
         check_output_dir(getattr(config, stage))
     return config
@@ -305,7 +302,7 @@ def finetuning_plan(args):
     config = plan_finetuning(
         args.recipe, given, files, args.output_dir, args.model_name_or_path, getattr(args, "finetune_recipe", None)
     )
-    return checked_plan(config, given, args.model_name_or_path), files
+    return checked_plan(config, given), files
 
 
 def recipe_plan(args):
