@@ -4,7 +4,6 @@ Kept apart from training so that `scripts/evaluate.py` loads only what answering
 no training code).
 """
 
-import json
 from pathlib import Path
 
 import torch
@@ -48,9 +47,10 @@ def load_checkpoint(model_name_or_path, device=None):
 def default_eval_path(model_name_or_path, num_people=None) -> Path:
     """Without --eval_corpus_path: the synthetic dev questions, for a model trained on the synthetic corpus
     only; a model trained on anything else (or not saying) would be scored on people it never read about."""
-    facts_file = Path(str(model_name_or_path)) / "knowgpt_card.json"
     if model_name_or_path is not None:
-        facts = json.loads(facts_file.read_text(encoding="utf-8")) if facts_file.is_file() else {}
+        from .model_card import read_card_facts
+
+        facts = read_card_facts(model_name_or_path) or {}
         if facts.get("dataset_id") != SYNTHETIC_DATASET:
             trained_on = facts.get("data_description", "data it does not record")
             raise InputError(

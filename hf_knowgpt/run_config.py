@@ -14,7 +14,6 @@ A value given for a stage wins over the same field given for the run. `resolve_r
 apart from reading `KnowGPTConfig`'s defaults, so tests can resolve every documented command cheaply.
 """
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -267,12 +266,9 @@ def count_documents(corpus_path) -> int:
 def _recorded_corpus_documents(model_name_or_path) -> int | None:
     """The pretraining corpus size a local checkpoint's card records (the handouts' finetuning schedule
     counts in it)."""
-    from .model_card import CARD_FACTS
+    from .model_card import read_card_facts
 
-    path = Path(model_name_or_path) / CARD_FACTS
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8")).get("corpus_documents")
+    return (read_card_facts(model_name_or_path) or {}).get("corpus_documents")
 
 
 def _check_mixed_training(config: RunConfig, files: DataFiles):
