@@ -5,7 +5,7 @@ CUDA graph per kernel replayed many times. Prints a table last.
 
     python benchmarks/bench_attention.py --data_dir .data
 
-Kernels (`--groups`): `sweep`, the fused Triton kernel (`hf_knowgpt.fused_attention`) with 1–3
+Kernels (`--groups`): `sweep`, the fused Triton kernel (`hf_knowgpt.kernels.fused_attention`) with 1–3
 half-precision parts of its fp32 operands and several block sizes and warp counts, told each row's real
 length (as packed training does: the lengths of the recipe's first batch of corrupted wiki.txt documents)
 or not; SDPA with the inputs cast to fp32 (the memory-efficient kernel: what `attention_kernel_dtype="float32"`
@@ -28,9 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_knowgpt import fused_attention  # noqa: E402
-from hf_knowgpt.model_card import describe_device  # noqa: E402
-from hf_knowgpt.modeling_knowgpt import (  # noqa: E402
+from hf_knowgpt.attention_knowgpt import (  # noqa: E402
     _in_precision,
     additive_mask,
     apply_rotary,
@@ -38,6 +36,8 @@ from hf_knowgpt.modeling_knowgpt import (  # noqa: E402
     rotary_angles,
     sdpa_attention,
 )
+from hf_knowgpt.kernels import fused_attention  # noqa: E402
+from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -87,8 +87,8 @@ def sdpa_fp32_with_bias(bias):
 def recipe_lengths(data_dir, batch, length):
     """Lengths of the recipe's first batch of corrupted documents (as the training step sees them)."""
     from data_loaders import encode_documents, read_corpus
-    from hf_knowgpt.training_data import PretrainingData
-    from hf_knowgpt.workflows import corpus_tokenizer
+    from hf_knowgpt.training.data import PretrainingData
+    from hf_knowgpt.training.workflows import corpus_tokenizer
 
     corpus = Path(data_dir) / "wiki.txt"
     data = PretrainingData(*encode_documents(corpus_tokenizer(corpus), read_corpus(corpus), 128), 128)

@@ -38,14 +38,14 @@ from data_loaders import (  # noqa: E402
     synthetic_corpus_files,
 )
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM  # noqa: E402
-from hf_knowgpt.fused_attention import fused_attention_available  # noqa: E402
-from hf_knowgpt.model_card import describe_device  # noqa: E402
+from hf_knowgpt.kernels.fused_attention import fused_attention_available  # noqa: E402
 from hf_knowgpt.qa import predict_birthplaces  # noqa: E402
-from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.run_config import resolve_run_config  # noqa: E402
-from hf_knowgpt.training import KnowGPTTrainer, make_accelerator  # noqa: E402
-from hf_knowgpt.training_data import FinetuningData, PretrainingData  # noqa: E402
-from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt.training.data import FinetuningData, PretrainingData  # noqa: E402
+from hf_knowgpt.training.recipes import HANDOUT  # noqa: E402
+from hf_knowgpt.training.run_config import resolve_run_config  # noqa: E402
+from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator  # noqa: E402
+from hf_knowgpt.training.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
 IMPORT_SECONDS = time.perf_counter() - _STARTED
 

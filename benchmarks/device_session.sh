@@ -15,5 +15,5 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARA
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import torch, transformers, accelerate, datasets, evaluate, triton, torch._inductor, torch._dynamo, sklearn, hf_knowgpt.workflows, hf_knowgpt.fused_attention; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
+python3 -c "import torch, transformers, accelerate, datasets, evaluate, triton, torch._inductor, torch._dynamo, sklearn, hf_knowgpt.training.workflows, hf_knowgpt.kernels.fused_attention; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
 exec "$@"

@@ -17,8 +17,8 @@ from torch._higher_order_ops import triton_kernel_wrap
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_knowgpt import fused_attention  # noqa: E402
-from hf_knowgpt.modeling_knowgpt import rotary_angles  # noqa: E402
+from hf_knowgpt.attention_knowgpt import rotary_angles  # noqa: E402
+from hf_knowgpt.kernels import fused_attention  # noqa: E402
 
 
 def taken_for_written(kernel, arguments) -> list[str]:

@@ -39,13 +39,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
-from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention, modeling_knowgpt  # noqa: E402
-from hf_knowgpt.model_card import describe_device  # noqa: E402
-from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.run_config import resolve_run_config  # noqa: E402
-from hf_knowgpt.training import KnowGPTTrainer, make_accelerator  # noqa: E402
-from hf_knowgpt.training_data import PretrainingData  # noqa: E402
-from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, attention_knowgpt  # noqa: E402
+from hf_knowgpt.kernels import fused_attention  # noqa: E402
+from hf_knowgpt.training.data import PretrainingData  # noqa: E402
+from hf_knowgpt.training.recipes import HANDOUT  # noqa: E402
+from hf_knowgpt.training.run_config import resolve_run_config  # noqa: E402
+from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator  # noqa: E402
+from hf_knowgpt.training.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
 SETTINGS = (
     "fp32",
@@ -80,18 +81,18 @@ def in_fp32(forward):
 @contextlib.contextmanager
 def patched_attention(setting: str):
     """Keep the flash kernel out for the duration of one setting."""
-    original = modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
+    original = attention_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
 
     def attention_without_flash(*args, **kwargs):
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             return original(*args, **kwargs)
 
     if setting == "bf16-no-flash":
-        modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"] = attention_without_flash
+        attention_knowgpt.ATTENTION_FUNCTIONS["sdpa"] = attention_without_flash
     try:
         yield
     finally:
-        modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"] = original
+        attention_knowgpt.ATTENTION_FUNCTIONS["sdpa"] = original
 
 
 def patch_model(model, setting: str):

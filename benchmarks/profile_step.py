@@ -30,15 +30,19 @@ from accelerate.state import AcceleratorState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
-from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention  # noqa: E402
-from hf_knowgpt import modeling_knowgpt as modeling  # noqa: E402
-from hf_knowgpt.fast_path import GraphedStepper  # noqa: E402
-from hf_knowgpt.modeling_knowgpt import KnowGPTSelfAttention  # noqa: E402
-from hf_knowgpt.recipes import HANDOUT  # noqa: E402
-from hf_knowgpt.training import KnowGPTTrainer, make_accelerator  # noqa: E402
-from hf_knowgpt.training_args import TrainingArguments  # noqa: E402
-from hf_knowgpt.training_data import PretrainingData  # noqa: E402
-from hf_knowgpt.workflows import corpus_tokenizer  # noqa: E402
+from hf_knowgpt import (  # noqa: E402
+    KnowGPTConfig,
+    KnowGPTForCausalLM,
+    attention_knowgpt,  # noqa: E402
+)
+from hf_knowgpt.attention_knowgpt import KnowGPTSelfAttention  # noqa: E402
+from hf_knowgpt.kernels import fused_attention  # noqa: E402
+from hf_knowgpt.training.arguments import TrainingArguments  # noqa: E402
+from hf_knowgpt.training.data import PretrainingData  # noqa: E402
+from hf_knowgpt.training.fast_path import GraphedStepper  # noqa: E402
+from hf_knowgpt.training.recipes import HANDOUT  # noqa: E402
+from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator  # noqa: E402
+from hf_knowgpt.training.workflows import corpus_tokenizer  # noqa: E402
 
 LIBRARY_BLOCK_SIZE = fused_attention.BLOCK_SIZE
 
@@ -95,7 +99,7 @@ def stepper_for(
         for module in model.modules():
             if isinstance(module, KnowGPTSelfAttention):
                 module.value.register_forward_pre_hook(lambda module, inputs: None)
-    modeling.fused_causal_attention = fused_attention.fused_causal_attention
+    attention_knowgpt.fused_causal_attention = fused_attention.fused_causal_attention
     if dense_kernel_inputs:  # (B, H, T, D) calls get contiguous copies of their views (a compile diagnostic)
 
         def with_dense_inputs(query, key, value, *args, **kwargs):
@@ -103,7 +107,7 @@ def stepper_for(
                 query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
             return fused_attention.fused_causal_attention(query, key, value, *args, **kwargs)
 
-        modeling.fused_causal_attention = with_dense_inputs
+        attention_knowgpt.fused_causal_attention = with_dense_inputs
     if grid_attention:  # the Triton kernel over the (B, T) grid, packed tokens scattered in and gathered out
         for module in model.modules():
             if isinstance(module, KnowGPTSelfAttention):

@@ -180,7 +180,7 @@ def run_one(variant, seed, files, output_dir, launch, launch_flags, extra_flags,
 def accuracy_by_epoch(run_dir, files, root, finetunes: bool, launch, launch_flags):
     """Score every saved pretraining checkpoint (finetuned first, through scripts/finetune.py, when the
     variant finetunes): accuracy against pretraining epochs."""
-    from hf_knowgpt.checkpoints import list_checkpoints
+    from hf_knowgpt.utils.checkpoints import list_checkpoints
 
     points = []
     for checkpoint in list_checkpoints(run_dir / "pretrained"):

@@ -9,7 +9,7 @@ Names are imported from their modules on first use, so `import data_loaders` cos
 file does not load torch or `datasets` (the scripts start in a second instead of several).
 """
 
-from hf_knowgpt.lazy import lazy_exports
+from hf_knowgpt.utils.lazy import lazy_exports
 
 _EXPORTS = {
     "builders": ["BirthplaceBuilder", "CorpusBuilder", "load_birthplaces", "load_corpus"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import datasets
 
-from hf_knowgpt.errors import MissingInputError
+from hf_knowgpt.utils.errors import MissingInputError
 
 from .corpus import read_birthplaces, read_corpus
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_knowgpt.errors import InputError, MissingInputError
+from hf_knowgpt.utils.errors import InputError, MissingInputError
 
 from .truncation import MIN_DOCUMENT_LENGTH
 

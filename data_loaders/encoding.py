@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hf_knowgpt.errors import InputError
+from hf_knowgpt.utils.errors import InputError
 
 from .span_corruption import MASK_ID, MIN_DOCUMENT_LENGTH, PAD_ID, pack_documents, span_corrupt
 

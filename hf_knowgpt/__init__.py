@@ -8,7 +8,7 @@ imported (`hf_knowgpt.auto_registration`), so `import hf_knowgpt` takes millisec
 """
 
 from . import auto_registration
-from .lazy import lazy_exports
+from .utils.lazy import lazy_exports
 
 __version__ = "0.1.0"
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from .configuration_knowgpt import KnowGPTConfig
-from .errors import InputError, MissingInputError
 from .modeling_knowgpt import KnowGPTForCausalLM
 from .tokenization_knowgpt import KnowGPTTokenizerFast
+from .utils.errors import InputError, MissingInputError
 
 _BUFFERS = re.compile(r"(^|\.)attn\.(mask|rope_cache)$")
 _RENAMES = [

@@ -11,14 +11,13 @@ The four `attention_type`s share the block and differ only in how attention scor
 - perceiver: a learned basis C cross-attends to the input (down-projection), n_layer − 2 ordinary blocks
   run over the bottleneck, and the input cross-attends back to it (up-projection).
 
+Here: the MLP, the blocks (the perceiver's two cross-attention blocks included), and the 🤗 classes
+(`KnowGPTPreTrainedModel`, the `KnowGPTModel` backbone, `KnowGPTForCausalLM`). How attention is computed,
+the four types' attention layers and the registry of attention implementations, is in `attention_knowgpt`.
 Masks are position based (a key is visible when its position is at most the query's and it is not
 padding), built by one helper, so left-padded batches and the KV cache give the same tokens as
 unpadded, uncached calls.
 """
-
-import math
-from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -30,6 +29,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
+from .attention_knowgpt import (
+    ATTENTION_FUNCTIONS,
+    AttentionContext,
+    KnowGPTCrossAttention,
+    KnowGPTSelfAttention,
+    KnowGPTSynthesizerAttention,
+    TokenGrid,
+)
 from .configuration_knowgpt import KnowGPTConfig
 
 logger = logging.get_logger(__name__)
@@ -53,234 +60,6 @@ def _deprecated_cache_keyword(forward):
     return deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")(forward)
 
 
-def supports_fused_attention(*args, **kwargs) -> bool:
-    """`fused_attention.supports_fused_attention`, imported on first use: Triton takes a second to import,
-    and only bf16 training on a GPU runs the fused kernel."""
-    from .fused_attention import supports_fused_attention
-
-    return supports_fused_attention(*args, **kwargs)
-
-
-def fused_causal_attention(*args, **kwargs):
-    from .fused_attention import fused_causal_attention
-
-    return fused_causal_attention(*args, **kwargs)
-
-
-class TokenGrid:
-    """Where the computed tokens sit in the (batch, time) grid.
-
-    Dense: every position is computed and hidden states are (B, T, C). Packed: only the positions in
-    `token_index` (flat b·T + t) are computed and hidden states are (N, C); a corrupted training
-    document fills about half of its 128 positions, the rest is right padding whose targets are never
-    trained. Position-wise layers then do half the work; attention scatters tokens into the grid and
-    gathers them back, except the fused kernel, which reads the rows packed (`row_starts`, `row_lengths`).
-    The packed tokens must form a prefix of each row, so that no computed query sees an absent key.
-    """
-
-    def __init__(self, batch_size: int, seq_len: int, token_index: torch.Tensor | None = None):
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.token_index = token_index
-        # Computed positions per row (packed), so that attention kernels can skip the padding after them,
-        # and where each row's tokens start in the packed states (rows lie back to back, in order).
-        self.row_lengths = self._row_lengths()
-        self.row_starts = None if self.row_lengths is None else self.row_lengths.cumsum(0) - self.row_lengths
-
-    @property
-    def packed(self) -> bool:
-        return self.token_index is not None
-
-    def to_grid(self, states: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return states
-        flat = states.new_zeros((self.batch_size * self.seq_len, *states.shape[1:]))
-        flat = flat.index_copy(0, self.token_index, states)
-        return flat.view(self.batch_size, self.seq_len, *states.shape[1:])
-
-    def from_grid(self, states: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return states
-        flat = states.reshape(self.batch_size * self.seq_len, *states.shape[2:])
-        return flat.index_select(0, self.token_index)
-
-    def _row_lengths(self) -> torch.Tensor | None:
-        if not self.packed:
-            return None
-        rows = torch.div(self.token_index, self.seq_len, rounding_mode="floor")
-        counts = torch.zeros(self.batch_size, dtype=torch.int32, device=rows.device)
-        return counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
-
-
-@dataclass
-class AttentionContext:
-    """Positions and visibility shared by every attention layer of one forward call.
-
-    `causal_only` marks the training case (no cache, no padding mask): attention is plain causal
-    over the index and the fused kernels run without an explicit mask. `implementation` is the attention
-    implementation of this call: the config's, or "eager" when the attention weights are asked for.
-    """
-
-    query_positions: torch.Tensor  # (B or 1, Tq)
-    key_positions: torch.Tensor  # (B or 1, Tk), past and present keys
-    key_valid: torch.Tensor | None  # (B, Tk) bool, False for padding
-    causal_only: bool
-    positions_are_indices: bool = False  # query t (of every row) is at position t: no position_ids, no past
-    implementation: str = "sdpa"
-
-    def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
-        """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
-        query_positions = self.query_positions if query_positions is None else query_positions
-        key_positions = self.key_positions if key_positions is None else key_positions
-        key_valid = self.key_valid if isinstance(key_valid, str) else key_valid
-        visible = key_positions[:, None, :] <= query_positions[:, :, None]
-        if key_valid is not None:
-            visible = visible & key_valid[:, None, :]
-        # A query that sees no key at all (a padding query before any real token) would turn the
-        # softmax into NaN; let it see everything: its output is never used.
-        visible = visible | ~visible.any(dim=-1, keepdim=True)
-        return visible[:, None]
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Turn a boolean visibility mask (plus an optional additive score bias) into the float mask SDPA adds."""
-    blocked = torch.finfo(dtype).min
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, blocked)
-    if bias is not None:
-        mask = mask + bias.to(dtype)
-    return mask
-
-
-# Attention functions take (B, H, T, D) queries, keys and values and return (output, weights): the
-# attention probabilities (B, H, Tq, Tk) from the eager function, None from the fused ones. `lengths` (B,),
-# when given, marks the positions from lengths[b] on as right padding whose outputs are discarded: kernels
-# may skip them.
-
-
-def sdpa_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None):
-    attended = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-    )
-    return attended, None
-
-
-def eager_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None):
-    """Unfused attention, as the handouts compute it; the reference for the fused kernels, and the one that
-    returns its weights (after dropout, as transformers' eager attention does)."""
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
-    if is_causal:
-        causal = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
-    if mask is not None:
-        scores = scores + mask
-    weights = F.softmax(scores.float(), dim=-1).to(value.dtype)
-    weights = F.dropout(weights, p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(weights, value), weights
-
-
-def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None, fallback=sdpa_attention):
-    """The fused Triton kernel (`hf_knowgpt.fused_attention`: bf16 in and out, computed as in fp32) where
-    it applies: causal bf16 self-attention without a padding mask over at most 128 positions on a CUDA
-    device, i.e. bf16 training. `fallback` (SDPA) everywhere else: fp32, masks, the KV cache, the
-    perceiver's cross-attention, CPU. (Packed training calls the kernel directly, the synthesizer's keys by
-    position and bias included.)"""
-    if supports_fused_attention(query, key, value, mask, is_causal):
-        return fused_causal_attention(query, key, value, scale, dropout_p, lengths=lengths), None
-    return fallback(query, key, value, mask, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
-
-
-ATTENTION_FUNCTIONS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_attention}
-
-
-def attention_function(config: KnowGPTConfig, implementation: str | None = None):
-    """The attention function of `implementation` (default: the config's), in the config's kernel dtype."""
-    implementation = implementation or config._attn_implementation or "sdpa"
-    if implementation not in ATTENTION_FUNCTIONS:
-        raise ValueError(
-            f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {implementation!r}"
-        )
-    if implementation == "triton":  # the fused kernel is fp32 already; the kernel dtype applies to its fallback
-        return partial(triton_attention, fallback=_in_kernel_dtype(sdpa_attention, config.attention_kernel_dtype))
-    return _in_kernel_dtype(ATTENTION_FUNCTIONS[implementation], config.attention_kernel_dtype)
-
-
-def _in_kernel_dtype(function, kernel_dtype: str | None):
-    return function if kernel_dtype is None else _in_precision(function, getattr(torch, kernel_dtype))
-
-
-def _in_precision(function, kernel_dtype: torch.dtype):
-    """Run an attention function in `kernel_dtype` when its inputs come in half precision (bf16/fp16
-    autocast or a half-precision model), and hand the result back in the inputs' precision."""
-
-    def attention_in_precision(query, key, value, mask, **options):
-        if query.dtype not in (torch.bfloat16, torch.float16) or query.dtype == kernel_dtype:
-            return function(query, key, value, mask, **options)
-        mask = mask.to(kernel_dtype) if mask is not None else None  # bf16's minimum becomes -inf in fp16
-        with torch.autocast(query.device.type, enabled=False):
-            attended, weights = function(
-                query.to(kernel_dtype), key.to(kernel_dtype), value.to(kernel_dtype), mask, **options
-            )
-        return attended.to(query.dtype), None if weights is None else weights.to(query.dtype)
-
-    return attention_in_precision
-
-
-def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of t·θ_i, θ_i = theta^(-2(i-1)/head_dim), i = 1..head_dim/2; shaped (*positions.shape, head_dim/2)."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
-    inverse_frequencies = theta ** (-exponents)
-    angles = positions[..., None].float() * inverse_frequencies
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent feature pairs (x₂ᵢ, x₂ᵢ₊₁) by the angles: complex multiplication by e^{i t θ}."""
-    even, odd = states[..., 0::2].float(), states[..., 1::2].float()
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(states.dtype)
-
-
-def split_heads(states: torch.Tensor, n_head: int) -> torch.Tensor:
-    batch, length, width = states.shape
-    return states.view(batch, length, n_head, width // n_head).transpose(1, 2)
-
-
-def merge_heads(states: torch.Tensor) -> torch.Tensor:
-    batch, n_head, length, head_dim = states.shape
-    return states.transpose(1, 2).reshape(batch, length, n_head * head_dim)
-
-
-def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
-    """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
-    Plain ones run as one product of their concatenated weights (one kernel instead of several, forward and
-    backward, and one `place`); layers that are replaced or hooked (adapters) run as the modules they are."""
-    place = place or (lambda states: states)
-    plain = all(
-        type(layer) is nn.Linear and layer.bias is not None and not (layer._forward_hooks or layer._forward_pre_hooks)
-        for layer in layers
-    )
-    if not plain:
-        return [place(layer(hidden_states)) for layer in layers]
-    weight = torch.cat([layer.weight for layer in layers])
-    bias = torch.cat([layer.bias for layer in layers])
-    projected = place(F.linear(hidden_states, weight, bias))
-    return list(projected.split([layer.out_features for layer in layers], dim=-1))
-
-
-def reads_packed_tokens(grid: "TokenGrid", context: "AttentionContext", cache, by_position: bool):
-    """Packed training with the fused kernel: it reads the packed tokens as they are. Attention that depends
-    on positions (rope, the synthesizer's keys) takes them as each token's index in its row, so it needs
-    positions that are those indices. (Where the kernel then turns out not to take the tensors, fp32 say,
-    they go through the grid after all.)"""
-    return (
-        grid.packed
-        and cache is None
-        and context.causal_only
-        and (context.positions_are_indices or not by_position)
-        and context.implementation == "triton"
-    )
-
-
 class KnowGPTMLP(nn.Module):
     def __init__(self, config: KnowGPTConfig):
         super().__init__()
@@ -291,162 +70,6 @@ class KnowGPTMLP(nn.Module):
 
     def forward(self, hidden_states):
         return self.dropout(self.proj(self.act(self.fc(hidden_states))))
-
-
-class KnowGPTSelfAttention(nn.Module):
-    """Causal multi-head self-attention (vanilla), with rotary queries and keys when `rotary`."""
-
-    def __init__(self, config: KnowGPTConfig, layer_idx: int, rotary: bool = False):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.rotary = rotary
-        self.n_head = config.n_head
-        self.head_dim = config.head_dim
-        self.query = nn.Linear(config.n_embd, config.n_embd)
-        self.key = nn.Linear(config.n_embd, config.n_embd)
-        self.value = nn.Linear(config.n_embd, config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
-        self.resid_dropout = nn.Dropout(config.resid_pdrop)
-
-    def _project(self, hidden_states, grid: TokenGrid, in_grid: bool):
-        """Queries, keys and values per token and head: (…, H, D), in the (B, T) grid when `in_grid`,
-        else as `hidden_states` come (packed tokens stay packed)."""
-        projected = project(hidden_states, (self.query, self.key, self.value), grid.to_grid if in_grid else None)
-        return [states.unflatten(-1, (self.n_head, self.head_dim)) for states in projected]
-
-    def _packed_kernel_applies(self, grid: TokenGrid, context: AttentionContext, cache) -> bool:
-        return reads_packed_tokens(grid, context, cache, by_position=self.rotary)
-
-    def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
-        """(output, attention weights (B, H, T, past + T) or None when the implementation has none)."""
-        packed_kernel = self._packed_kernel_applies(grid, context, cache)
-        query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        dropout_p = self.config.attn_pdrop if self.training else 0.0
-        if packed_kernel and supports_fused_attention(query, key, value, None, True, seq_len=grid.seq_len):
-            rotary = None
-            if self.rotary:  # the kernel rotates queries and keys itself, by their index in the row
-                indices = torch.arange(grid.seq_len, device=query.device)
-                rotary = rotary_angles(indices, self.head_dim, self.config.rope_theta)
-            attended = fused_causal_attention(
-                query, key, value, scale, dropout_p,
-                lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, rotary=rotary,
-            )  # fmt: skip
-            return self.resid_dropout(self.proj(attended.flatten(-2))), None
-        if packed_kernel:  # the kernel does not take these tensors after all: through the grid as usual
-            query, key, value = (grid.to_grid(states) for states in (query, key, value))
-        if self.rotary:
-            cos, sin = rotary_angles(context.query_positions, self.head_dim, self.config.rope_theta)
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B or 1, T, 1, D/2): the heads axis
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-        query, key, value = (states.transpose(1, 2) for states in (query, key, value))  # (B, H, T, D)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        mask = None if context.causal_only else additive_mask(context.visibility(), query.dtype)
-        attended, weights = attention_function(self.config, context.implementation)(
-            query,
-            key,
-            value,
-            mask,
-            scale=scale,
-            dropout_p=dropout_p,
-            is_causal=context.causal_only,
-            lengths=grid.row_lengths,
-        )
-        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended)))), weights
-
-
-class KnowGPTSynthesizerAttention(nn.Module):
-    """Dense Synthesizer (2021 handout): per head softmax(ReLU(X A_i + b₁) B + b₂)(X V_i), causal.
-
-    As in the handout's code, `w1` holds all heads' A_i (and b₁), and one B (`w2`, d/h × ℓ) with
-    its bias `b2` is shared by the heads; ℓ = block_size. The score of key position j is a dot
-    product with column j of B, so B's columns act as position-indexed keys.
-    """
-
-    def __init__(self, config: KnowGPTConfig, layer_idx: int):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.n_head = config.n_head
-        self.head_dim = config.head_dim
-        self.w1 = nn.Linear(config.n_embd, config.n_embd)
-        self.w2 = nn.Parameter(torch.empty(config.head_dim, config.block_size))
-        self.b2 = nn.Parameter(torch.empty(config.block_size))
-        self.value = nn.Linear(config.n_embd, config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
-        self.resid_dropout = nn.Dropout(config.resid_pdrop)
-
-    def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
-        """(output, its softmax weights (B, H, T, past + T) or None when the implementation has none)."""
-        packed_kernel = reads_packed_tokens(grid, context, cache, by_position=True)
-        features, value = project(hidden_states, (self.w1, self.value), None if packed_kernel else grid.to_grid)
-        features = F.relu(features)
-        dropout_p = self.config.attn_pdrop if self.training else 0.0
-        if packed_kernel:
-            features, value = (states.unflatten(-1, (self.n_head, self.head_dim)) for states in (features, value))
-            # (block_size, D), the key of position t being column t of B; rows contiguous, for the kernel's loads
-            keys = self.w2.t().to(value.dtype, memory_format=torch.contiguous_format)
-            if supports_fused_attention(features, keys, value, None, True, seq_len=grid.seq_len):
-                attended = fused_causal_attention(
-                    features, keys, value, 1.0, dropout_p,
-                    lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, bias=self.b2,
-                )  # fmt: skip
-                return self.resid_dropout(self.proj(attended.flatten(-2))), None
-            features, value = (grid.to_grid(states.flatten(-2)) for states in (features, value))
-        features, value = split_heads(features, self.n_head), split_heads(value, self.n_head)
-        # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t.
-        key = self.w2.t()[context.query_positions][:, None].to(value.dtype)
-        key = key.expand(value.shape[0], 1, -1, -1)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-        key = key.expand(value.shape[0], self.n_head, -1, -1)
-        bias = self.b2[context.key_positions][:, None, None, :]
-        visible = context.visibility()
-        attended, weights = attention_function(self.config, context.implementation)(
-            features,
-            key,
-            value,
-            additive_mask(visible, features.dtype, bias),
-            scale=1.0,
-            dropout_p=dropout_p,
-            is_causal=False,
-        )
-        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended)))), weights
-
-
-class KnowGPTCrossAttention(nn.Module):
-    """Multi-head attention of one stream (queries) over another (keys and values), for the perceiver."""
-
-    def __init__(self, config: KnowGPTConfig):
-        super().__init__()
-        self.config = config
-        self.n_head = config.n_head
-        self.head_dim = config.head_dim
-        self.query = nn.Linear(config.n_embd, config.n_embd)
-        self.key = nn.Linear(config.n_embd, config.n_embd)
-        self.value = nn.Linear(config.n_embd, config.n_embd)
-        self.proj = nn.Linear(config.n_embd, config.n_embd)
-        self.resid_dropout = nn.Dropout(config.resid_pdrop)
-
-    def forward(self, query_states, key, value, visible, implementation: str):
-        """query_states: (B, Tq, C); key, value: (B, h, Tk, d) already projected; visible: (B, 1, Tq, Tk).
-        Returns (output, attention weights (B, H, Tq, Tk) or None)."""
-        query = split_heads(self.query(query_states), self.n_head)
-        attended, weights = attention_function(self.config, implementation)(
-            query,
-            key,
-            value,
-            additive_mask(visible, query.dtype),
-            scale=1.0 / math.sqrt(self.head_dim),
-            dropout_p=self.config.attn_pdrop if self.training else 0.0,
-            is_causal=False,
-        )
-        return self.resid_dropout(self.proj(merge_heads(attended))), weights
-
-    def project_context(self, context_states):
-        return split_heads(self.key(context_states), self.n_head), split_heads(self.value(context_states), self.n_head)
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
@@ -849,4 +472,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
 KnowGPTModel.register_for_auto_class("AutoModel")
 KnowGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["KnowGPTModel", "KnowGPTForCausalLM", "KnowGPTPreTrainedModel", "TokenGrid"]
+__all__ = ["KnowGPTForCausalLM", "KnowGPTModel", "KnowGPTPreTrainedModel"]

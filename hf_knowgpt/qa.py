@@ -8,7 +8,6 @@ the closing ⁇: the product of the greedy characters' softmax probabilities.
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -105,17 +104,6 @@ def handout_accuracy(gold_places: list[str], predicted_places: list[str]) -> tup
     return sum(g == p for g, p in zip(gold_places, predicted_places)), len(gold_places)
 
 
-def metric_path() -> str:
-    """The shipped `evaluate` metric module: `evaluate.load(hf_knowgpt.qa.metric_path())` works offline."""
-    return str(Path(__file__).parent / "metrics" / "birthplace_accuracy" / "birthplace_accuracy.py")
-
-
-def load_metric():
-    import evaluate
-
-    return evaluate.load(metric_path())
-
-
 def format_accuracy(correct: int, total: int) -> str:
     return f"Correct: {correct} out of {total}: {100.0 * correct / total}%"
 
@@ -126,7 +114,5 @@ __all__ = [
     "as_question",
     "format_accuracy",
     "handout_accuracy",
-    "load_metric",
-    "metric_path",
     "predict_birthplaces",
 ]

@@ -1,1 +1,1 @@
-"""Model card templates for KnowGPT checkpoints (rendered by `hf_knowgpt.model_card`)."""
+"""Model card templates for KnowGPT checkpoints (rendered by `hf_knowgpt.utils.model_card`)."""

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_knowgpt  # noqa: F401
 from data_loaders import generate_people, synthetic_corpus_files
 from data_loaders.synthetic import DEFAULT_NUM_PEOPLE, split_people
-from hf_knowgpt import cli
-from hf_knowgpt.errors import InputError
-from hf_knowgpt.knowledge_report import analyze_knowledge
+from hf_knowgpt.commands import cli
+from hf_knowgpt.utils.errors import InputError
+from hf_knowgpt.analysis.knowledge_report import analyze_knowledge
 
 
 def parse_args(argv=None):

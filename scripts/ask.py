@@ -10,9 +10,9 @@ Each answer comes with the model's probability of it; --threshold withholds answ
 import argparse
 
 from data_loaders import read_birthplaces
-from hf_knowgpt import cli
-from hf_knowgpt.checkpoints import check_model_folder, looks_like_hub_id
-from hf_knowgpt.errors import InputError
+from hf_knowgpt.commands import cli
+from hf_knowgpt.utils.checkpoints import check_model_folder, looks_like_hub_id
+from hf_knowgpt.utils.errors import InputError
 
 
 def parse_args(argv=None):

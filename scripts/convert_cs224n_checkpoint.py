@@ -8,7 +8,7 @@
 
 import argparse
 
-from hf_knowgpt import cli
+from hf_knowgpt.commands import cli
 
 
 def parse_args(argv=None):

@@ -13,7 +13,7 @@ its model card.
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt import cli
+from hf_knowgpt.commands import cli
 from hf_knowgpt.options import HANDOUT_MAX_NEW_TOKENS
 
 
@@ -40,7 +40,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from hf_knowgpt.evaluation import evaluate_birthplaces
+    from hf_knowgpt.analysis.evaluation import evaluate_birthplaces
 
     result = evaluate_birthplaces(
         args.model_name_or_path,

@@ -13,7 +13,7 @@ not given takes the --recipe's value.
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt import cli
+from hf_knowgpt.commands import cli
 
 
 def parse_args(argv=None):
@@ -51,7 +51,7 @@ def main(argv=None):
     args = parse_args(argv)
     config, files = run_config(args)
     cli.print_run_config(config)
-    from hf_knowgpt import workflows
+    from hf_knowgpt.training import workflows
 
     cli.run_training(
         workflows.run_finetuning,

@@ -7,7 +7,7 @@ python scripts/london_baseline.py --eval_corpus_path birth_dev.tsv --outputs_pat
 import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt import cli
+from hf_knowgpt.commands import cli
 
 
 def parse_args(argv=None):
@@ -24,7 +24,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from hf_knowgpt.evaluation import london_baseline
+    from hf_knowgpt.analysis.evaluation import london_baseline
 
     result = london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **cli.synthetic_size(args))
     print(result["message"])

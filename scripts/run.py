@@ -18,8 +18,8 @@ import _no_shadowing  # noqa: F401, I001  (must come before anything imports `ev
 import argparse
 from pathlib import Path
 
-from hf_knowgpt import cli
-from hf_knowgpt.errors import InputError
+from hf_knowgpt.commands import cli
+from hf_knowgpt.utils.errors import InputError
 from hf_knowgpt.options import ATTENTION_TYPES
 
 
@@ -87,7 +87,7 @@ def given_settings(args) -> dict:
 def run_config(args):
     """The run's settings and files, resolved from the handouts' recipe and the flags given."""
     from data_loaders.corpus import DataFiles
-    from hf_knowgpt.run_config import plan_finetuning, plan_pretraining
+    from hf_knowgpt.training.run_config import plan_finetuning, plan_pretraining
 
     given = given_settings(args)
     if args.function == "pretrain":
@@ -107,7 +107,7 @@ def main(argv=None):
     if args.function == "evaluate":
         if not args.reading_params_path or not args.eval_corpus_path:
             raise InputError("run.py evaluate", "needs --reading_params_path and --eval_corpus_path")
-        from hf_knowgpt import workflows
+        from hf_knowgpt.training import workflows
 
         result = workflows.evaluate_birthplaces(
             readable_checkpoint(args), eval_corpus_path=args.eval_corpus_path, outputs_path=args.outputs_path
@@ -116,7 +116,7 @@ def main(argv=None):
         return
     config, files = run_config(args)
     cli.print_run_config(config)
-    from hf_knowgpt import workflows
+    from hf_knowgpt.training import workflows
 
     if args.function == "pretrain":
         cli.run_training(workflows.run_pretraining, config, files)

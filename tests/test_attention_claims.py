@@ -6,14 +6,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from hf_knowgpt.modeling_knowgpt import (
-    AttentionContext,
-    KnowGPTBlock,
-    TokenGrid,
-    apply_rotary,
-    rotary_angles,
-    sdpa_attention,
-)
+from hf_knowgpt.attention_knowgpt import AttentionContext, TokenGrid, apply_rotary, rotary_angles, sdpa_attention
+from hf_knowgpt.modeling_knowgpt import KnowGPTBlock
 
 
 def full_visibility(length):

@@ -11,11 +11,11 @@ from conftest import tiny_config
 
 from data_loaders import encode_birthplace_examples, encode_documents, generate_people
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
-from hf_knowgpt.fast_path import GraphedStepper, resolve_training_path
-from hf_knowgpt.fused_attention import fused_attention_available
-from hf_knowgpt.training import KnowGPTTrainer, make_accelerator
-from hf_knowgpt.training_args import TrainingArguments
-from hf_knowgpt.training_data import FinetuningData, MixedData, PretrainingData
+from hf_knowgpt.kernels.fused_attention import fused_attention_available
+from hf_knowgpt.training.arguments import TrainingArguments
+from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData
+from hf_knowgpt.training.fast_path import GraphedStepper, resolve_training_path
+from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
 
 BLOCK = 64
 TOLERANCE = 1e-5  # fp32: only the summation order differs (fused vs unfused attention, packed vs padded)
@@ -47,7 +47,7 @@ def test_plain_and_fast_paths_give_the_same_loss_and_gradients(pretraining_data,
     fast = copy.deepcopy(plain)
     plain.set_attn_implementation("eager")  # the handouts' unfused attention over every padded position
     plain_loss = plain(input_ids=batch.input_ids, labels=batch.labels).loss
-    from hf_knowgpt.training_data import packed_token_index
+    from hf_knowgpt.training.data import packed_token_index
 
     index = packed_token_index(batch.lengths, batch.input_ids.shape[1])
     fast_loss = fast(input_ids=batch.input_ids, labels=batch.labels, token_index=index, use_cache=False).loss
@@ -75,7 +75,7 @@ def make_trainer(tmp_path, data, model, graphed):
     trainer = KnowGPTTrainer(model, data, args, make_accelerator(args, cpu=True))
     device = trainer.accelerator.device
     lr = torch.tensor(args.learning_rate) if graphed else args.learning_rate
-    from hf_knowgpt.optimization import handout_parameter_groups
+    from hf_knowgpt.training.optimization import handout_parameter_groups
 
     trainer.optimizer = torch.optim.AdamW(
         handout_parameter_groups(model, args.weight_decay), lr=lr, betas=args.betas, fused=graphed

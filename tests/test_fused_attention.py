@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
-from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, fused_attention
-from hf_knowgpt.fused_attention import dropout_keep_mask, fused_causal_attention, supports_fused_attention
-from hf_knowgpt.modeling_knowgpt import apply_rotary, rotary_angles
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+from hf_knowgpt.attention_knowgpt import apply_rotary, rotary_angles
+from hf_knowgpt.kernels import fused_attention
+from hf_knowgpt.kernels.fused_attention import dropout_keep_mask, fused_causal_attention, supports_fused_attention
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if fused_attention.triton is None:
@@ -314,11 +315,11 @@ def test_triton_implementation_trains_like_sdpa(attention_type, monkeypatch):
     """Under bf16 autocast the model's loss and gradients are as close to fp32 training's with the fused
     kernel as with SDPA's fp32 kernel (no dropout): reading the packed tokens, or (the perceiver's latent
     blocks, 2 of its 4 layers) in the (B, H, T, D) layout."""
-    import hf_knowgpt.modeling_knowgpt as modeling
+    import hf_knowgpt.attention_knowgpt as attention
 
     kernel_calls = []
     monkeypatch.setattr(
-        modeling, "fused_causal_attention", lambda *a, **k: kernel_calls.append(k) or fused_causal_attention(*a, **k)
+        attention, "fused_causal_attention", lambda *a, **k: kernel_calls.append(k) or fused_causal_attention(*a, **k)
     )
     torch.manual_seed(0)
     config = KnowGPTConfig(

@@ -13,7 +13,7 @@ from transformers import pipeline
 
 import hf_knowgpt  # noqa: F401
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
-from hf_knowgpt.knowledge_analysis import (
+from hf_knowgpt.analysis.knowledge_metrics import (
     apply_threshold,
     area_under_accuracy_coverage,
     auroc,
@@ -142,7 +142,7 @@ def test_knowledge_report_end_to_end_on_the_synthetic_corpus(tmp_path):
 
 
 def test_breakdowns_bucket_people_by_offset_shared_place_and_length():
-    from hf_knowgpt.knowledge_analysis import knowledge_breakdowns
+    from hf_knowgpt.analysis.knowledge_metrics import knowledge_breakdowns
 
     corpus = [
         "Ann Lee was born in Paris and lived in Rome.",  # Paris at 20

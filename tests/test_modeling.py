@@ -7,7 +7,7 @@ from conftest import ATTENTION_TYPES, REPO_ROOT, perturbed_model, tiny_config
 from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
-from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast, modeling_knowgpt
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast, attention_knowgpt
 
 VOCAB = 23
 
@@ -184,13 +184,13 @@ def test_fused_projections_equal_the_three_layers_and_respect_hooks(attention_ty
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
 def test_attention_kernel_dtype_under_bf16_autocast(attention_type, monkeypatch):
     seen = []
-    original = modeling_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
+    original = attention_knowgpt.ATTENTION_FUNCTIONS["sdpa"]
 
     def recording(query, key, value, mask, **options):
         seen.append({query.dtype, key.dtype, value.dtype} | ({mask.dtype} if mask is not None else set()))
         return original(query, key, value, mask, **options)
 
-    monkeypatch.setitem(modeling_knowgpt.ATTENTION_FUNCTIONS, "sdpa", recording)
+    monkeypatch.setitem(attention_knowgpt.ATTENTION_FUNCTIONS, "sdpa", recording)
     ids = random_ids(2, 10)
     fp32_logits = make_model(attention_type)(ids).logits
     for setting, kernel_dtype in (("float32", torch.float32), ("float16", torch.float16), (None, torch.bfloat16)):

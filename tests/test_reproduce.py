@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import REPO_ROOT, write_cs224n_named_synthetic
 
-from hf_knowgpt import workflows
+from hf_knowgpt.training import workflows
 
 TINY = "--pretrain_max_epochs 1 --finetune_max_epochs 1 --n_layer 2 --n_head 2 --n_embd 32 --block_size 64"
 

@@ -1,5 +1,5 @@
 """One resolution of a run's settings: every script's documented command resolves to the recipe's values, and
-each flag given changes its own field and nothing else (`hf_knowgpt.run_config`, `hf_knowgpt.cli`).
+each flag given changes its own field and nothing else (`hf_knowgpt.training.run_config`, `hf_knowgpt.commands.cli`).
 
 The expected values are written from the recipe presets and the dataclass defaults, not from the resolver."""
 
@@ -11,9 +11,9 @@ import pytest
 from conftest import HAS_DATA, REPO_ROOT, load_script, write_cs224n_named_synthetic
 
 from hf_knowgpt.configuration_knowgpt import KnowGPTConfig
-from hf_knowgpt.recipes import RECIPES
-from hf_knowgpt.run_config import MODEL_FIELDS, STAGES, resolve_run_config
-from hf_knowgpt.training_args import TrainingArguments
+from hf_knowgpt.training.arguments import TrainingArguments
+from hf_knowgpt.training.recipes import RECIPES
+from hf_knowgpt.training.run_config import MODEL_FIELDS, STAGES, resolve_run_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import reproduce  # noqa: E402

@@ -18,18 +18,19 @@ from transformers import AutoModelForCausalLM, pipeline
 
 import hf_knowgpt  # noqa: F401
 from data_loaders import write_synthetic_corpus
-from hf_knowgpt import workflows
-from hf_knowgpt.checkpoints import list_checkpoints, validate_checkpoint
-from hf_knowgpt.optimization import (
+from hf_knowgpt.analysis.evaluation import load_metric
+from hf_knowgpt.qa import handout_accuracy
+from hf_knowgpt.training import workflows
+from hf_knowgpt.training.arguments import HANDOUT_WARMUP_TOKENS
+from hf_knowgpt.training.data import packed_token_index
+from hf_knowgpt.training.optimization import (
     handout_lr_multiplier,
     handout_lr_multipliers,
     handout_parameter_groups,
     rows_per_step,
 )
-from hf_knowgpt.qa import handout_accuracy, load_metric
-from hf_knowgpt.training import KnowGPTTrainer
-from hf_knowgpt.training_args import HANDOUT_WARMUP_TOKENS
-from hf_knowgpt.training_data import packed_token_index
+from hf_knowgpt.training.trainer import KnowGPTTrainer
+from hf_knowgpt.utils.checkpoints import list_checkpoints, validate_checkpoint
 
 TINY_MODEL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"]
 TINY_OVERRIDES = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)

@@ -1,6 +1,6 @@
 """Answering a file of birthplace questions with a checkpoint, and scoring the answers the handouts' way.
 
-Kept apart from training so that `scripts/evaluate.py` loads only what answering needs (no accelerate,
+Kept apart from training so that evaluating a checkpoint loads only what answering needs (no accelerate,
 no training code).
 """
 
@@ -11,15 +11,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from data_loaders.corpus import DataFiles, read_birthplaces
 
-from .checkpoints import (
+from ..qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, handout_accuracy, predict_birthplaces
+from ..utils.checkpoints import (
     check_model_folder,
     looks_like_hub_id,
     quiet_progress_bars,
     write_json_atomic,
     write_text_atomic,
 )
-from .errors import InputError
-from .qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, handout_accuracy, predict_birthplaces
+from ..utils.errors import InputError
 
 SYNTHETIC_DATASET = "synthetic-biographies"
 
@@ -48,7 +48,7 @@ def default_eval_path(model_name_or_path, num_people=None) -> Path:
     """Without --eval_corpus_path: the synthetic dev questions, for a model trained on the synthetic corpus
     only; a model trained on anything else (or not saying) would be scored on people it never read about."""
     if model_name_or_path is not None:
-        from .model_card import read_card_facts
+        from ..utils.model_card import read_card_facts
 
         facts = read_card_facts(model_name_or_path) or {}
         if facts.get("dataset_id") != SYNTHETIC_DATASET:
@@ -105,7 +105,7 @@ def evaluate_birthplaces(
             metrics_file = outputs_path.with_name(outputs_path.name + ".metrics.json")
             write_json_atomic(metrics_file, {k: result[k] for k in ("eval_file", "accuracy", "correct", "total")})
         if update_model_card and model_name_or_path and Path(model_name_or_path).is_dir():
-            from .model_card import add_evaluation_to_card
+            from ..utils.model_card import add_evaluation_to_card
 
             add_evaluation_to_card(
                 model_name_or_path,
@@ -156,11 +156,24 @@ def scores_path(outputs_path) -> Path:
     return outputs_path.with_name(outputs_path.name + ".scores.tsv")
 
 
+def metric_path() -> str:
+    """The shipped `evaluate` metric module: `evaluate.load(metric_path())` works offline."""
+    return str(Path(__file__).parent / "metrics" / "birthplace_accuracy" / "birthplace_accuracy.py")
+
+
+def load_metric():
+    import evaluate
+
+    return evaluate.load(metric_path())
+
+
 __all__ = [
     "dataset_id",
     "default_eval_path",
     "evaluate_birthplaces",
     "load_checkpoint",
+    "load_metric",
     "london_baseline",
+    "metric_path",
     "scores_path",
 ]

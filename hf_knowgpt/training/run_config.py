@@ -20,9 +20,9 @@ from pathlib import Path
 from data_loaders.corpus import DataFiles, read_corpus
 from data_loaders.truncation import max_truncation_length
 
-from .errors import InputError
+from ..utils.errors import InputError
+from .arguments import TrainingArguments
 from .recipes import Recipe, StageRecipe, get_recipe
-from .training_args import TrainingArguments
 
 MODEL_FIELDS = (
     "attention_type",
@@ -100,7 +100,7 @@ class RunConfig:
 
 def model_defaults() -> dict:
     """`KnowGPTConfig`'s own defaults for the fields a recipe may leave out."""
-    from .configuration_knowgpt import KnowGPTConfig
+    from ..configuration_knowgpt import KnowGPTConfig
 
     return {name: getattr(KnowGPTConfig, name) for name in MODEL_FIELDS}
 
@@ -266,7 +266,7 @@ def count_documents(corpus_path) -> int:
 def _recorded_corpus_documents(model_name_or_path) -> int | None:
     """The pretraining corpus size a local checkpoint's card records (the handouts' finetuning schedule
     counts in it)."""
-    from .model_card import read_card_facts
+    from ..utils.model_card import read_card_facts
 
     return (read_card_facts(model_name_or_path) or {}).get("corpus_documents")
 

@@ -15,7 +15,8 @@ import numpy as np
 from data_loaders import read_birthplaces
 from data_loaders.synthetic import REGIONS, make_names
 
-from .knowledge_analysis import (
+from ..qa import QUESTION_TEMPLATE, predict_birthplaces
+from .knowledge_metrics import (
     apply_threshold,
     area_under_accuracy_coverage,
     auroc,
@@ -25,7 +26,6 @@ from .knowledge_analysis import (
     selective_accuracy,
     threshold_for_accuracy,
 )
-from .qa import QUESTION_TEMPLATE, predict_birthplaces
 
 
 def _score(model, tokenizer, records, batch_size):

@@ -12,9 +12,9 @@ import argparse
 import os
 import sys
 
-from .options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, TRAINING_PATHS
-from .recipes import RECIPES
-from .run_config import SECTIONS
+from ..options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, TRAINING_PATHS
+from ..training.recipes import RECIPES
+from ..training.run_config import SECTIONS
 
 
 class BooleanFlag(argparse.Action):
@@ -239,7 +239,7 @@ def _files(args, **paths):
 
 
 def _refuse_model_flags_for_a_checkpoint(args, given):
-    from .errors import InputError
+    from ..utils.errors import InputError
 
     model_flags = sorted(name.split(".", 1)[1] for name in given if name.startswith("model."))
     if getattr(args, "model_name_or_path", None) and model_flags:
@@ -253,11 +253,11 @@ def _refuse_model_flags_for_a_checkpoint(args, given):
 def checked_plan(config, given: dict):
     """The plan, checked before anything heavy runs: a new model's configuration and every stage's output
     folder (a checkpoint to start from is checked where it is read)."""
-    from .errors import InputError
-    from .training import check_output_dir
+    from ..training.trainer import check_output_dir
+    from ..utils.errors import InputError
 
     if config.finetune_from != "pretrained" or config.pretrain is not None:
-        from .configuration_knowgpt import KnowGPTConfig
+        from ..configuration_knowgpt import KnowGPTConfig
 
         try:
             KnowGPTConfig(vocab_size=1024, **config.model)
@@ -273,7 +273,7 @@ def checked_plan(config, given: dict):
 
 def pretraining_plan(args):
     """(RunConfig, DataFiles) of `scripts/pretrain.py`."""
-    from .run_config import plan_pretraining
+    from ..training.run_config import plan_pretraining
 
     given = given_settings(args)
     files = _files(args, corpus=args.pretrain_corpus_path, train=args.mixed_training_corpus_path)
@@ -284,8 +284,8 @@ def pretraining_plan(args):
 
 def finetuning_plan(args):
     """(RunConfig, DataFiles) of `scripts/finetune.py`."""
-    from .checkpoints import check_model_folder, looks_like_hub_id
-    from .run_config import plan_finetuning
+    from ..training.run_config import plan_finetuning
+    from ..utils.checkpoints import check_model_folder, looks_like_hub_id
 
     given = given_settings(args)
     _refuse_model_flags_for_a_checkpoint(args, given)
@@ -309,7 +309,7 @@ def recipe_plan(args):
     """(RunConfig, DataFiles) of `scripts/train.py`: the whole recipe."""
     from data_loaders.corpus import read_birthplaces
 
-    from .run_config import plan_recipe
+    from ..training.run_config import plan_recipe
 
     given = given_settings(args)
     files = _files(
@@ -365,7 +365,7 @@ def main_guard(main):
     """Run a script's `main`: an error in what the user gave (`errors.UserError`) becomes one line on stderr,
     `error: <where>: <what is wrong> (<what to do>)`, printed by the first process only, and exit status 2;
     `--debug` or KNOWGPT_DEBUG=1 shows its traceback instead. Any other exception keeps its traceback."""
-    from .errors import UserError
+    from ..utils.errors import UserError
 
     debug = "--debug" in sys.argv[1:] or os.environ.get("KNOWGPT_DEBUG", "") not in ("", "0")
     try:
@@ -381,7 +381,7 @@ def main_guard(main):
 def run_training(function, *args, resume_hint: str = "--resume_from_checkpoint latest", **kwargs):
     """Run a training workflow; a run stopped by SIGINT/SIGTERM (checkpoint saved) exits with 128 + signal,
     saying how to resume."""
-    from .workflows import TrainingInterrupted
+    from ..training.workflows import TrainingInterrupted
 
     try:
         return function(*args, **kwargs)

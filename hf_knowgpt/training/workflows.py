@@ -1,6 +1,6 @@
 """Pretrain, finetune and evaluate: what the command-line scripts do, as functions.
 
-Each stage takes a resolved `RunConfig` (`hf_knowgpt.run_config`: the recipe's values and the flags the
+Each stage takes a resolved `RunConfig` (`hf_knowgpt.training.run_config`: the recipe's values and the flags the
 user gave) and a `DataFiles`. `run_recipe` runs a whole recipe in one process: pretraining → finetuning
 (when the recipe has it) → dev evaluation → test predictions. `pretrain` and `finetune` are the same
 stages for library users, resolved from plain keyword settings (`pretrain("out", attention_type="rope",
@@ -22,16 +22,16 @@ from data_loaders.corpus import DataFiles, read_birthplaces, read_corpus
 from data_loaders.encoding import encode_birthplace_examples, encode_documents
 from data_loaders.truncation import MIN_DOCUMENT_LENGTH
 
-from .checkpoints import list_checkpoints, looks_like_hub_id, write_json_atomic
-from .configuration_knowgpt import KnowGPTConfig
-from .errors import InputError
-from .evaluation import dataset_id, evaluate_birthplaces, load_checkpoint, london_baseline, scores_path
-from .model_card import describe_device, read_card_facts, write_model_card
-from .modeling_knowgpt import KnowGPTForCausalLM
+from ..analysis.evaluation import dataset_id, evaluate_birthplaces, load_checkpoint, london_baseline, scores_path
+from ..configuration_knowgpt import KnowGPTConfig
+from ..modeling_knowgpt import KnowGPTForCausalLM
+from ..tokenization_knowgpt import KnowGPTTokenizerFast
+from ..utils.checkpoints import list_checkpoints, looks_like_hub_id, write_json_atomic
+from ..utils.errors import InputError
+from ..utils.model_card import describe_device, read_card_facts, write_model_card
+from .data import FinetuningData, MixedData, PretrainingData
 from .run_config import RunConfig, plan_finetuning, plan_pretraining, qualify
-from .tokenization_knowgpt import KnowGPTTokenizerFast
-from .training import KnowGPTTrainer, make_accelerator
-from .training_data import FinetuningData, MixedData, PretrainingData
+from .trainer import KnowGPTTrainer, make_accelerator
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
         )
         hub = hub or {}
         if hub.get("push_to_hub"):
-            from .hub import push_checkpoint
+            from ..utils.hub import push_checkpoint
 
             repo_id = hub.get("hub_model_id") or Path(args.output_dir).name
             push_checkpoint(args.output_dir, repo_id, token=hub.get("hub_token"))

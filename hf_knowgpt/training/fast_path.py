@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_loaders.encoding import collate_handout_pairs
 
-from .options import TRAINING_PATHS
-from .training_data import TrainingBatch, packed_size, packed_token_index
+from ..options import TRAINING_PATHS
+from .data import TrainingBatch, packed_size, packed_token_index
 
 
 def resolve_training_path(requested: str, device: torch.device) -> str:

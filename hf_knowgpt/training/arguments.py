@@ -35,7 +35,7 @@ class TrainingArguments:
     # "no", "bf16" or "fp16"; None: accelerate's configuration (`accelerate launch --mixed_precision`, else no)
     mixed_precision: str | None = None
     # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
-    # (attn_implementation "triton", hf_knowgpt.fused_attention) for the run, when Triton is installed.
+    # (attn_implementation "triton", hf_knowgpt.kernels.fused_attention) for the run, when Triton is installed.
     fused_attention: bool = True
     # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
     # whole run): the first part of a long run, for studies of early training. None: run to the end.
@@ -50,8 +50,8 @@ class TrainingArguments:
 
     def __post_init__(self):
         """Values that would otherwise fail deep inside a run, refused at once with the field named."""
-        from .errors import InputError
-        from .options import TRAINING_PATHS
+        from ..options import TRAINING_PATHS
+        from ..utils.errors import InputError
 
         for name in ("max_epochs", "batch_size", "log_every", "save_total_limit"):
             value = getattr(self, name)

@@ -31,7 +31,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 
-from .checkpoints import (
+from ..utils.checkpoints import (
     ACCELERATE_STATE,
     CHECKPOINT_PREFIX,
     STAGING_PREFIX,
@@ -42,11 +42,11 @@ from .checkpoints import (
     validate_checkpoint,
     write_json_atomic,
 )
-from .errors import InputError
+from ..utils.errors import InputError
+from .arguments import TrainingArguments
+from .data import TrainingBatch, packed_token_index
 from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
 from .optimization import handout_lr_multipliers, handout_parameter_groups, rows_per_step
-from .training_args import TrainingArguments
-from .training_data import TrainingBatch, packed_token_index
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class KnowGPTTrainer:
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
         elif device.type == "cuda":
-            from .fused_attention import fused_attention_available
+            from ..kernels.fused_attention import fused_attention_available
 
             if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
                 unwrapped.set_attn_implementation("triton")

@@ -1,0 +1,3 @@
+"""What the rest of the package stands on and nothing model-specific: user errors (`errors`), lazy package
+namespaces (`lazy`), checkpoint folders on disk (`checkpoints`), model cards (`model_card`) and the Hub
+upload (`hub`). Nothing here imports the model or the training and analysis packages."""
