@@ -6,7 +6,7 @@ one after the other on the same machine. Prints a table last.
 
 For each attention type and process count it runs, as a user would, `accelerate launch scripts/pretrain.py`
 (650 epochs of wiki.txt unless --epochs), `accelerate launch scripts/finetune.py` (10 epochs) with the same
-number of processes, then `scripts/evaluate.py` on birth_dev.tsv, and reports each stage's wall time, the
+number of processes, then `scripts/evaluate_checkpoint.py` on birth_dev.tsv, and reports each stage's wall time, the
 pretraining's training seconds with and without warm-up (graph capture and compilation), its speedup over
 the first process count, the loss at a few steps (same global batches and semantics: the curves should agree
 up to rounding) and the dev accuracy. Every process count is timed on the same machine in the same run.
@@ -72,7 +72,7 @@ def run_one(args, attention_type: str, processes: int, work: Path) -> dict:
         work / f"{attention_type}-{processes}-finetune.log",
     )  # fmt: skip
     evaluate_seconds, output = timed(
-        [sys.executable, str(ROOT / "scripts" / "evaluate.py"), "--model_name_or_path", str(finetuned),
+        [sys.executable, str(ROOT / "scripts" / "evaluate_checkpoint.py"), "--model_name_or_path", str(finetuned),
          "--eval_corpus_path", str(data / "birth_dev.tsv"), "--outputs_path", str(work / f"{finetuned.name}.dev")],
         work / f"{attention_type}-{processes}-evaluate.log",
     )  # fmt: skip

@@ -9,7 +9,7 @@ On a GPU, in one run:
    --torch_compile` twice: cold (empty TorchInductor and Triton caches, as on a fresh machine) and warm
    (the same caches, a second run on the same machine); then the same run under `accelerate launch
    --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
-2. `scripts/evaluate.py` on the finetuned checkpoint (500 questions).
+2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' loop beside it: the plain path (`--training_path plain`: a DataLoader corrupting one
    document per item, every position computed, unfused attention, fp32) for a few pretraining and
    finetuning epochs through the same command, and the handouts' evaluation (one question at a time, 32
@@ -145,7 +145,7 @@ def main(argv=None):
             print(json.dumps(results[run]), flush=True)
         checkpoint = Path(results["warm"]["output_dir"]) / "finetuned"
         seconds, output = timed(
-            [sys.executable, SCRIPTS / "evaluate.py", "--model_name_or_path", checkpoint, "--eval_corpus_path",
+            [sys.executable, SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path",
              data / "birth_dev.tsv", "--outputs_path", work / "evaluate.predictions"],
             work / "evaluate.log",
         )  # fmt: skip
@@ -187,7 +187,7 @@ def main(argv=None):
                 f"steps {row['pretrain_train_s'] - row['pretrain_warmup_s']:.1f} s, warm-up {row['pretrain_warmup_s']:.1f} s)"
             )
         print(
-            f"{'scripts/evaluate.py, 500 questions':<44}{results['evaluate']['process_s']:>8.1f} s   {results['evaluate']['accuracy']}"
+            f"{'scripts/evaluate_checkpoint.py, 500 questions':<44}{results['evaluate']['process_s']:>8.1f} s   {results['evaluate']['accuracy']}"
         )
         print(
             f"{'handouts loop (estimate)':<44}{handout['recipe_estimate_s']:>8.1f} s   "

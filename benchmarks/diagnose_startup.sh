@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where does the user's wait go? Imports, accelerate's launcher, evaluate.py and a warm train.py under cProfile,
+# Where does the user's wait go? Imports, accelerate's launcher, evaluate_checkpoint.py and a warm train.py under cProfile,
 # and finetuning graphed against eager. Run on the GPU machine, as it ran in session 9 (an H100):
 #   bash benchmarks/device_session.sh bash benchmarks/diagnose_startup.sh 2>&1 | tee $OUT/diag.log
 # (.data holds the CS224N files; the profiles land in $OUT for `python -m pstats`.)
@@ -15,10 +15,10 @@ T python3 scripts/train.py --help
 # a cold run fills the caches (and is the cold figure with compile for pretraining only)
 T python3 scripts/train.py --recipe handout --attention_type vanilla --data_dir $D --mixed_precision bf16 --torch_compile --output_dir /tmp/r1
 cp /tmp/last.log $OUT/cold_direct.log
-python3 -X importtime scripts/evaluate.py --model_name_or_path /tmp/r1/finetuned --eval_corpus_path $D/birth_dev.tsv --outputs_path /tmp/e0 2> /tmp/imp.txt > /dev/null
+python3 -X importtime scripts/evaluate_checkpoint.py --model_name_or_path /tmp/r1/finetuned --eval_corpus_path $D/birth_dev.tsv --outputs_path /tmp/e0 2> /tmp/imp.txt > /dev/null
 sort -t'|' -k2 -n /tmp/imp.txt | tail -25 > $OUT/evaluate_importtime.txt
-T python3 scripts/evaluate.py --model_name_or_path /tmp/r1/finetuned --eval_corpus_path $D/birth_dev.tsv --outputs_path /tmp/e1
-T python3 -m cProfile -o $OUT/evaluate.prof scripts/evaluate.py --model_name_or_path /tmp/r1/finetuned --eval_corpus_path $D/birth_dev.tsv --outputs_path /tmp/e2
+T python3 scripts/evaluate_checkpoint.py --model_name_or_path /tmp/r1/finetuned --eval_corpus_path $D/birth_dev.tsv --outputs_path /tmp/e1
+T python3 -m cProfile -o $OUT/evaluate.prof scripts/evaluate_checkpoint.py --model_name_or_path /tmp/r1/finetuned --eval_corpus_path $D/birth_dev.tsv --outputs_path /tmp/e2
 # warm: the documented command, then the same under cProfile
 T python3 scripts/train.py --recipe handout --attention_type vanilla --data_dir $D --mixed_precision bf16 --torch_compile --output_dir /tmp/r2
 cp /tmp/last.log $OUT/warm_direct.log

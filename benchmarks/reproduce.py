@@ -14,7 +14,7 @@ before it runs; its whole wall time (interpreter, imports, compilation, training
 
 --heldout N is for choosing hyperparameters: the last N training questions are held out (scored instead of
 dev), the rest are the training questions; no test predictions. A finetuned variant's pretrained checkpoint
-is scored too (`pretrained_accuracy`, through scripts/evaluate.py). --curve_every E saves a checkpoint
+is scored too (`pretrained_accuracy`, through scripts/evaluate_checkpoint.py). --curve_every E saves a checkpoint
 every E pretraining epochs (seed 0) and scores each one (finetuned first when the variant finetunes), all
 through the scripts: accuracy against pretraining epochs. Results go to --results (JSON); checkpoints and
 predictions to --output_dir. A table is printed last.
@@ -128,10 +128,10 @@ def run_logged(command, log_path: Path) -> float:
 
 
 def score(checkpoint, eval_path, root: Path, name: str) -> float:
-    """scripts/evaluate.py on a checkpoint; the accuracy in percent."""
+    """scripts/evaluate_checkpoint.py on a checkpoint; the accuracy in percent."""
     outputs = root / f"{name}.predictions"
     run_logged(
-        [sys.executable, str(SCRIPTS / "evaluate.py"), "--model_name_or_path", str(checkpoint),
+        [sys.executable, str(SCRIPTS / "evaluate_checkpoint.py"), "--model_name_or_path", str(checkpoint),
          "--eval_corpus_path", str(eval_path), "--outputs_path", str(outputs)],
         root / f"{name}.log",
     )  # fmt: skip

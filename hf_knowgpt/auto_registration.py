@@ -70,7 +70,13 @@ REGISTRATIONS = {
 # transformers module can load in the middle of importing ours, e.g. modeling_layers → models.auto).
 OUR_MODULES = tuple(
     f"hf_knowgpt.{name}"
-    for name in ("configuration_knowgpt", "modeling_knowgpt", "tokenization_knowgpt", "pipeline_birthplace_qa")
+    for name in (
+        "configuration_knowgpt",
+        "attention_knowgpt",
+        "modeling_knowgpt",
+        "tokenization_knowgpt",
+        "pipeline_birthplace_qa",
+    )
 )
 
 

@@ -64,22 +64,6 @@ def perturbed_model(attention_type, **overrides):
     return model
 
 
-def load_script(name: str):
-    """A script of scripts/ as a module (its parse_args and run_config), as `python scripts/<name>.py` runs it."""
-    import importlib.util
-
-    scripts = str(REPO_ROOT / "scripts")
-    sys.path.insert(0, scripts)  # for `import _no_shadowing`, which takes the folder off again
-    try:
-        spec = importlib.util.spec_from_file_location(f"script_{name}", REPO_ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if scripts in sys.path:
-            sys.path.remove(scripts)
-    return module
-
-
 def write_cs224n_named_synthetic(directory, num_people=40, seed=0) -> Path:
     """A synthetic corpus written under the CS224N file names (what --data_dir expects)."""
     from data_loaders import write_synthetic_corpus

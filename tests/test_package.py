@@ -22,19 +22,34 @@ def test_importing_the_package_loads_neither_torch_nor_transformers():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("script", ["pretrain", "finetune", "train", "evaluate", "run"])
+@pytest.mark.parametrize("script", ["pretrain", "finetune", "train", "evaluate_checkpoint", "run"])
 def test_script_help_needs_no_torch(script):
     out = run_python(
-        "import sys\n"
-        f"sys.path.insert(0, 'scripts'); sys.argv = ['{script}.py', '--help']\n"
-        f"import {script}\n"
+        "import runpy, sys\n"
+        f"sys.argv = ['scripts/{script}.py', '--help']\n"
         "try:\n"
-        f"    {script}.parse_args()\n"
+        f"    runpy.run_path('scripts/{script}.py', run_name='__main__')\n"
         "except SystemExit:\n"
         "    pass\n"
         "print('torch' in sys.modules)"
     )
-    assert out.strip().endswith("False")
+    assert "--help" in out and out.strip().endswith("False")
+
+
+def test_the_console_script_runs_the_commands_as_the_scripts_do():
+    out = run_python(
+        "import sys\n"
+        "from hf_knowgpt.commands import knowgpt\n"
+        "try:\n"
+        "    knowgpt.main(['evaluate', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    assert out.startswith("usage: knowgpt evaluate") and "--eval_corpus_path" in out and out.strip().endswith("False")
+    listing = run_python("from hf_knowgpt.commands import knowgpt\nknowgpt.main(['--help'])")
+    scripts = {p.stem for p in (REPO_ROOT / "scripts").glob("*.py")} - {"evaluate_checkpoint"} | {"evaluate"}
+    assert {line.split()[0] for line in listing.split("commands:\n")[1].splitlines()} == scripts
 
 
 REGISTERED = (

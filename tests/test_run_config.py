@@ -8,8 +8,12 @@ import sys
 from dataclasses import asdict, replace
 
 import pytest
-from conftest import HAS_DATA, REPO_ROOT, load_script, write_cs224n_named_synthetic
+from conftest import HAS_DATA, REPO_ROOT, write_cs224n_named_synthetic
 
+from hf_knowgpt.commands import finetune as FINETUNE
+from hf_knowgpt.commands import pretrain as PRETRAIN
+from hf_knowgpt.commands import run as RUN
+from hf_knowgpt.commands import train as TRAIN
 from hf_knowgpt.configuration_knowgpt import KnowGPTConfig
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.recipes import RECIPES
@@ -17,8 +21,6 @@ from hf_knowgpt.training.run_config import MODEL_FIELDS, STAGES, resolve_run_con
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import reproduce  # noqa: E402
-
-PRETRAIN, FINETUNE, TRAIN, RUN = (load_script(name) for name in ("pretrain", "finetune", "train", "run"))
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,7 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
     assert card.count("pretrain.py") == 1 and "finetune.py" in card and "https://github.com/)" not in card
 
     predictions = tmp_path / "dev.predictions"
-    result = run_script(SCRIPTS / "evaluate.py", "--model_name_or_path", finetuned, "--eval_corpus_path", corpus.dev,
+    result = run_script(SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", finetuned, "--eval_corpus_path", corpus.dev,
                         "--outputs_path", predictions, "--write_scores", "--update_model_card")  # fmt: skip
     questions = corpus.dev.read_text().strip("\n").split("\n")
     lines = predictions.read_text(encoding="utf-8").split("\n")[:-1]
@@ -163,7 +163,7 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
     assert f"Correct: {metrics['correct']} out of {len(questions)}: " in result.stdout
     assert (finetuned / "README.md").read_text().count("model-index") == 1
 
-    unlabeled = run_script(SCRIPTS / "evaluate.py", "--model_name_or_path", finetuned, "--eval_corpus_path",
+    unlabeled = run_script(SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", finetuned, "--eval_corpus_path",
                            corpus.test, "--outputs_path", tmp_path / "test.predictions")  # fmt: skip
     assert "nothing was scored" in unlabeled.stdout and "Correct" not in unlabeled.stdout
     assert (
@@ -171,8 +171,12 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
         == len(corpus.test.read_text().split("\n")) - 1
     )
 
-    qa = pipeline("birthplace-qa", model=str(finetuned))
     first = questions[0].split("\t")[0]
+    asked = run_script(SCRIPTS / "ask.py", "--model_name_or_path", finetuned, "--from_file", corpus.dev, "--limit", 2)
+    assert asked.stdout.startswith(f"{first} → {lines[0]}   p=") and asked.stdout.count(" → ") == 2
+    assert "Loading weights" not in asked.stderr, asked.stderr  # answers only, no loading bar
+
+    qa = pipeline("birthplace-qa", model=str(finetuned))
     answer = qa(first)
     assert answer["question"] == first and answer["answer"] == lines[0]
     name = first.removeprefix("Where was ").removesuffix(" born?")

@@ -101,12 +101,12 @@ def test_a_line_without_a_tab_is_named(corpus, tmp_path):
     assert_one_line_error(result, questions_only, "no line has a tab and a place")
 
 
-@pytest.mark.parametrize("script", ["evaluate", "finetune", "ask"])
+@pytest.mark.parametrize("script", ["evaluate_checkpoint", "finetune", "ask"])
 def test_a_folder_that_is_not_a_checkpoint_is_named(script, corpus, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     arguments = {
-        "evaluate": ["--model_name_or_path", empty, "--eval_corpus_path", corpus.dev],
+        "evaluate_checkpoint": ["--model_name_or_path", empty, "--eval_corpus_path", corpus.dev],
         "finetune": [
             "--model_name_or_path",
             empty,
@@ -122,14 +122,14 @@ def test_a_folder_that_is_not_a_checkpoint_is_named(script, corpus, tmp_path):
     assert list(empty.iterdir()) == [] and not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("script", ["evaluate", "finetune"])
+@pytest.mark.parametrize("script", ["evaluate_checkpoint", "finetune"])
 def test_corrupt_weights_are_named_with_the_file(script, checkpoint, corpus, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(checkpoint, damaged, ignore=shutil.ignore_patterns("checkpoint-*"))
     (damaged / "model.safetensors").write_text("this is not a safetensors file\n")
     before = snapshot(damaged)
     arguments = {
-        "evaluate": ["--eval_corpus_path", corpus.dev],
+        "evaluate_checkpoint": ["--eval_corpus_path", corpus.dev],
         "finetune": ["--finetune_corpus_path", corpus.train, "--output_dir", tmp_path / "o"],
     }[script]
     result = run(SCRIPTS / f"{script}.py", "--model_name_or_path", damaged, *arguments)
@@ -140,7 +140,9 @@ def test_corrupt_weights_are_named_with_the_file(script, checkpoint, corpus, tmp
 def test_the_output_dir_of_an_interrupted_run_names_its_checkpoints(checkpoint, corpus, tmp_path):
     interrupted = tmp_path / "interrupted"
     shutil.copytree(checkpoint / "checkpoint-8", interrupted / "checkpoint-8")
-    result = run(SCRIPTS / "evaluate.py", "--model_name_or_path", interrupted, "--eval_corpus_path", corpus.dev)
+    result = run(
+        SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", interrupted, "--eval_corpus_path", corpus.dev
+    )
     assert_one_line_error(result, interrupted, "its checkpoints are checkpoint-8", f"{interrupted}/checkpoint-8")
 
 
@@ -207,11 +209,11 @@ def test_run_py_never_replaces_a_run_unasked_and_resumes_after_ctrl_c(corpus, tm
 
 def test_evaluation_reads_its_checkpoint_and_writes_only_predictions(checkpoint, corpus, tmp_path):
     before = snapshot(checkpoint)
-    result = run(SCRIPTS / "evaluate.py", "--model_name_or_path", checkpoint, "--eval_corpus_path", corpus.dev,
+    result = run(SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path", corpus.dev,
                  "--outputs_path", tmp_path / "dev.predictions")  # fmt: skip
     assert result.returncode == 0 and "Correct:" in result.stdout
     assert snapshot(checkpoint) == before  # read-only
-    recorded = run(SCRIPTS / "evaluate.py", "--model_name_or_path", checkpoint, "--eval_corpus_path", corpus.dev,
+    recorded = run(SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path", corpus.dev,
                    "--update_model_card")  # fmt: skip
     assert recorded.returncode == 0
     facts = json.loads((checkpoint / "knowgpt_card.json").read_text())
@@ -226,7 +228,7 @@ def test_evaluation_without_questions_is_refused_for_a_model_of_another_corpus(c
     assert run(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", copy, "--output_dir", model, "--max_epochs", 1,
                *TINY).returncode == 0  # fmt: skip
     before = snapshot(model)
-    result = run(SCRIPTS / "evaluate.py", "--model_name_or_path", model)
+    result = run(SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", model)
     assert_one_line_error(result, model, "was trained on span corruption on `wiki.txt`", "--eval_corpus_path")
     assert snapshot(model) == before
 
@@ -236,7 +238,9 @@ def test_unknown_characters_are_named_with_their_first_line(corpus, tmp_path, ch
     lines = corpus.dev.read_text(encoding="utf-8").strip().split("\n")
     lines[4] = lines[4].replace("Where was ", "Where was Ωmega ")
     questions.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    result = run(SCRIPTS / "evaluate.py", "--model_name_or_path", checkpoint, "--eval_corpus_path", questions)
+    result = run(
+        SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path", questions
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "'Ω' (U+03A9) first at " + f"{questions}:5" in result.stderr
 

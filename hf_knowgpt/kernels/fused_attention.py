@@ -27,6 +27,10 @@ backward kernel) and the synthesizer's keys by position with a bias (`key` a (T,
 done inside. It applies to causal self-attention without a padding mask (training) with T ≤ 128 and D a
 power of two ≥ 16; `supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA
 device (or Triton's interpreter).
+
+One file, a little over 600 lines: the backward kernel is read against the forward one (the same blocks,
+masks, dropout stream and rotation, recomputed), and both against the op that launches them; split apart,
+a reader would go back and forth between files to check that they agree.
 """
 
 import contextlib

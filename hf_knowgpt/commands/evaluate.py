@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Answer every question of a birthplace TSV and score the answers when the file has gold places.
 
-    python scripts/evaluate.py --model_name_or_path outputs/finetune-pretrained \\
+    python scripts/evaluate_checkpoint.py --model_name_or_path outputs/finetune-pretrained \\
         --eval_corpus_path birth_dev.tsv --outputs_path predictions/dev.txt
 
 Greedy decoding with the KV cache, at most 32 characters after `question⁇`, in batches; the prediction
@@ -10,11 +9,10 @@ when gold places exist; the checkpoint is only read, unless --update_model_card 
 its model card.
 """
 
-import _no_shadowing  # noqa: F401, I001  (must come before anything imports `evaluate`)
 import argparse
 
-from hf_knowgpt.commands import cli
-from hf_knowgpt.options import HANDOUT_MAX_NEW_TOKENS
+from ..options import HANDOUT_MAX_NEW_TOKENS
+from . import cli
 
 
 def parse_args(argv=None):
@@ -40,7 +38,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    from hf_knowgpt.analysis.evaluation import evaluate_birthplaces
+    from ..analysis.evaluation import evaluate_birthplaces
 
     result = evaluate_birthplaces(
         args.model_name_or_path,
