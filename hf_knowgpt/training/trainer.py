@@ -536,7 +536,8 @@ class KnowGPTTrainer:
 
 class _PlainProgress:
     """Progress as plain lines, for a log that is a file (or with progress bars switched off): a line at a
-    loss report at most every `interval` seconds, and the last one; no carriage returns."""
+    loss report at most every `interval` seconds, and the last one once, at `close` (readings still arriving
+    after the last step update its values); no carriage returns."""
 
     def __init__(self, total: int, initial: int, interval: float = 5.0):
         self.total, self.n, self.interval = total, initial, interval
@@ -547,7 +548,7 @@ class _PlainProgress:
 
     def set_postfix(self, **values):
         self.values = values
-        if time.perf_counter() - self.last_print >= self.interval or self.n >= self.total:
+        if self.n < self.total and time.perf_counter() - self.last_print >= self.interval:
             self._print()
 
     def _print(self):
