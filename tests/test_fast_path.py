@@ -2,7 +2,6 @@
 
 import copy
 import os
-import socket
 
 import pytest
 import torch
@@ -168,10 +167,15 @@ def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path
         assert torch.allclose(a, b, atol=1e-5), name
 
 
-def _graphed_bodies_in_one_of_two_processes(rank, port, directory, steps):
-    """One process of two (gloo on CPU): the packed graphed body, uncaptured, for `steps` steps."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
+def _graphed_bodies_in_one_of_two_processes(rank, directory, steps):
+    """One process of two (gloo on CPU): the packed graphed body, uncaptured, for `steps` steps. The processes
+    meet through a file, not a TCP port that another process could take between choosing and binding it, and
+    compute with one thread each, as the reference does (summation order follows the thread count)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{directory / 'rendezvous'}", rank=rank, world_size=2
+    )  # accelerate takes the initialized group as it is
     tokenizer, data = _pretraining_data()
     trainer = make_trainer(directory / f"rank{rank}", data, fresh_model(len(tokenizer)), graphed=True)
     assert trainer.accelerator.num_processes == 2 and trainer.accelerator.process_index == rank
@@ -192,17 +196,19 @@ def test_graphed_bodies_on_two_processes_take_the_single_process_steps(pretraini
     """Each process trains its slice of the global batch and the body sums their gradients (the all-reduce the
     CUDA graph captures on GPUs): the parameters follow the one-process eager steps."""
     tokenizer, data = pretraining_data
-    reference = make_trainer(tmp_path / "one", data, fresh_model(len(tokenizer)), graphed=False)
-    steps = reference.steps_per_epoch + 1  # crosses an epoch boundary and its smaller last batch
-    generator, reference_losses = torch.Generator(), []
-    for step in range(steps):
-        generator.manual_seed(reference.args.seed * 1_000_003 + step)
-        batch = data.batch(reference.batch_indices(step), generator)
-        reference_losses.append(reference.optimizer_step(batch, 0, 1).item())
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    torch.multiprocessing.spawn(_graphed_bodies_in_one_of_two_processes, args=(port, tmp_path, steps), nprocs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each of the two processes computes
+    try:
+        reference = make_trainer(tmp_path / "one", data, fresh_model(len(tokenizer)), graphed=False)
+        steps = reference.steps_per_epoch + 1  # crosses an epoch boundary and its smaller last batch
+        generator, reference_losses = torch.Generator(), []
+        for step in range(steps):
+            generator.manual_seed(reference.args.seed * 1_000_003 + step)
+            batch = data.batch(reference.batch_indices(step), generator)
+            reference_losses.append(reference.optimizer_step(batch, 0, 1).item())
+    finally:
+        torch.set_num_threads(threads)
+    torch.multiprocessing.spawn(_graphed_bodies_in_one_of_two_processes, args=(tmp_path, steps), nprocs=2)
     first, second = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
     # Both processes replay the same graph (token capacity) at every step, or their collectives would not match.
     assert first["capacities"] == second["capacities"]
