@@ -1,4 +1,5 @@
 import base64
+import errno
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,7 +32,9 @@ from hf_knowgpt.training.optimization import (
     rows_per_step,
 )
 from hf_knowgpt.training.trainer import KnowGPTTrainer
+from hf_knowgpt.utils import checkpoints
 from hf_knowgpt.utils.checkpoints import list_checkpoints, validate_checkpoint
+from hf_knowgpt.utils.errors import OutputError
 
 TINY_MODEL = ["--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64"]
 TINY_OVERRIDES = dict(n_layer=2, n_head=2, n_embd=32, block_size=64)
@@ -312,6 +316,38 @@ def test_resume_continues_exactly_where_an_interrupted_run_stopped(corpus, tmp_p
     assert metrics["global_step"] == 12
     for name, value in model.state_dict().items():
         assert torch.equal(value, straight[name]), name
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),  # what the operating system says
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 165568 vs 165460"),  # torch.save
+    ],
+)
+def test_a_full_disk_while_a_checkpoint_is_staged_is_a_user_error(corpus, tmp_path, monkeypatch, failure):
+    """The disk fills while checkpoint-N is staged: an OutputError naming the folder and the incomplete copy,
+    which stays aside (the last whole checkpoint is untouched); faults with space left keep their traceback."""
+
+    def fill_the_disk(self, directory):
+        (directory / "model.safetensors").write_bytes(b"part of the weights")
+        raise failure
+
+    monkeypatch.setattr(KnowGPTTrainer, "_save_model_files", fill_the_disk)
+    free = {"bytes": 0}
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda folder: SimpleNamespace(free=free["bytes"]))
+    with pytest.raises(OutputError) as raised:
+        pretrain_in_process(corpus, tmp_path / "full", checkpointing_steps="epoch")
+    assert raised.value.line() == (
+        f"{tmp_path / 'full'}: no space left on its disk while writing checkpoint-4 (free some space there or "
+        "give another --output_dir; the incomplete copy is left in .staging-checkpoint-4)"
+    )
+    assert (tmp_path / "full" / ".staging-checkpoint-4" / "model.safetensors").is_file()
+    assert list_checkpoints(tmp_path / "full") == []
+    if isinstance(failure, RuntimeError):  # the same failure with space left is a fault: its own traceback
+        free["bytes"] = 10 * checkpoints.FULL_DISK_BYTES
+        with pytest.raises(RuntimeError, match="unexpected pos"):
+            pretrain_in_process(corpus, tmp_path / "fault", checkpointing_steps="epoch")
 
 
 def test_a_killed_run_leaves_the_last_checkpoint_loadable_and_resumable(corpus, tmp_path):

@@ -36,6 +36,7 @@ from ..utils.checkpoints import (
     CHECKPOINT_PREFIX,
     STAGING_PREFIX,
     TRAINER_STATE,
+    full_disk_as_output_error,
     latest_valid_checkpoint,
     list_checkpoints,
     quiet_progress_bars,
@@ -288,17 +289,19 @@ class KnowGPTTrainer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(staging / ACCELERATE_STATE))
-        self._save_model_files(staging)
+        with full_disk_as_output_error(output_dir, final.name, left_in=staging):
+            self.accelerator.save_state(str(staging / ACCELERATE_STATE))
+            self._save_model_files(staging)
+            if self.accelerator.is_main_process:
+                write_json_atomic(
+                    staging / TRAINER_STATE,
+                    {
+                        "global_step": global_step,
+                        "epoch": global_step / self.steps_per_epoch,
+                        "loss_curve": self.loss_curve,
+                    },
+                )
         if self.accelerator.is_main_process:
-            write_json_atomic(
-                staging / TRAINER_STATE,
-                {
-                    "global_step": global_step,
-                    "epoch": global_step / self.steps_per_epoch,
-                    "loss_curve": self.loss_curve,
-                },
-            )
             if final.exists():
                 shutil.rmtree(final)
             os.replace(staging, final)
@@ -314,9 +317,11 @@ class KnowGPTTrainer:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         self.accelerator.wait_for_everyone()
-        self._save_model_files(staging)
+        with full_disk_as_output_error(output_dir, "the final model", left_in=staging):
+            self._save_model_files(staging)
+            if self.accelerator.is_main_process:
+                write_json_atomic(staging / "train_results.json", metrics)
         if self.accelerator.is_main_process:
-            write_json_atomic(staging / "train_results.json", metrics)
             names = sorted((p.name for p in staging.iterdir()), key=lambda name: name == "config.json")
             for name in names:
                 target = output_dir / name

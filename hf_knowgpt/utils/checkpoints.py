@@ -5,14 +5,16 @@ and renamed whole, so a run killed at any moment leaves the last complete checkp
 """
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
-from .errors import InputError, MissingInputError
+from .errors import InputError, MissingInputError, OutputError, UserError
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +22,9 @@ CHECKPOINT_PREFIX = "checkpoint-"
 STAGING_PREFIX = ".staging-"
 TRAINER_STATE = "trainer_state.json"
 ACCELERATE_STATE = "accelerate_state"
+# A write that failed with less than this left on its disk ran out of space (torch's zip writer reports a
+# short write as a RuntimeError, without the operating system's errno).
+FULL_DISK_BYTES = 1 << 20
 
 
 def list_checkpoints(output_dir) -> list[Path]:
@@ -137,6 +142,35 @@ def quiet_progress_bars():
             transformers_logging.enable_progress_bar()
 
 
+def ran_out_of_space(error: BaseException, folder) -> bool:
+    """Whether `error`, raised while writing into `folder`, means that its disk is full: the operating system
+    said so (ENOSPC, EDQUOT), or a write failed with less than `FULL_DISK_BYTES` left there."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    try:
+        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def full_disk_as_output_error(folder, what: str, left_in: Path | None = None):
+    """Writing `what` into `folder`: a full disk becomes an `OutputError` naming the folder (one line in the
+    scripts); any other failure keeps its traceback. `left_in` names where the incomplete copy stays."""
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, UserError) or not ran_out_of_space(error, folder):
+            raise
+        remedy = "free some space there or give another --output_dir"
+        if left_in is not None:
+            remedy += f"; the incomplete copy is left in {Path(left_in).name}"
+        raise OutputError(folder, f"no space left on its disk while writing {what}", remedy) from error
+
+
 def looks_like_hub_id(name: str) -> bool:
     return re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)) is not None and not Path(name).exists()
 
@@ -155,9 +189,11 @@ def write_json_atomic(path, payload):
 
 __all__ = [
     "check_model_folder",
+    "full_disk_as_output_error",
     "latest_valid_checkpoint",
     "looks_like_hub_id",
     "quiet_progress_bars",
+    "ran_out_of_space",
     "safetensors_problem",
     "ACCELERATE_STATE",
     "CHECKPOINT_PREFIX",

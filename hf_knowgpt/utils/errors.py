@@ -26,4 +26,8 @@ class MissingInputError(UserError, FileNotFoundError):
     """A file or folder the user named does not exist."""
 
 
-__all__ = ["InputError", "MissingInputError", "UserError"]
+class OutputError(UserError, OSError):
+    """A folder the user named cannot take what is written there: its disk is full."""
+
+
+__all__ = ["InputError", "MissingInputError", "OutputError", "UserError"]
