@@ -25,7 +25,7 @@ class KnowGPTConfig(PretrainedConfig):
             dropout, weighted sum) when the projections run in half precision (bf16/fp16 autocast or a
             half-precision model): "float32" (default), "float16", "bfloat16" or None (the inputs' own).
             With the kernel in bf16 or fp16 the handouts' recipe diverges in bf16 at its learning rate of
-            6e-3; in fp32 it trains like fp32 (benchmarks/precision_study.py). Nothing changes in fp32.
+            6e-3; in fp32 it trains like fp32 (benchmarks/diagnostics/precision_study.py). Nothing changes in fp32.
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
         eos_token_id (`int`): "⁇" (1), which closes every answer (`question⁇answer⁇`), so generation stops
             after the answer; the generation config takes it from here.

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Which arguments of the fused attention kernels torch.compile's analysis of user Triton kernels takes
 for written, for (B, H, T, D), packed and rotary calls. Under torch.compile every argument in that list is
-copied before the launch and its tensor rebound to the copy afterwards (see benchmarks/RESULTS.md, session 8),
+copied before the launch and its tensor rebound to the copy afterwards (benchmarks/RESULTS.md, "Kernels"),
 so none of them may share memory with another argument. The launches are recorded, not run.
 
-    python benchmarks/kernel_write_analysis.py
+    python benchmarks/diagnostics/kernel_write_analysis.py
 
 Without a GPU the kernels are lowered for an H100 target (sm_90), which needs no GPU.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch._higher_order_ops import triton_kernel_wrap
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_knowgpt.attention_knowgpt import rotary_angles  # noqa: E402
 from hf_knowgpt.kernels import fused_attention  # noqa: E402

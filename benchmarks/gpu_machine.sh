@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare the GPU machine of the `device` tool and run a command there:
-#   bash benchmarks/device_session.sh python3 benchmarks/bench_recipe.py --data_dir .data --full
+#   bash benchmarks/gpu_machine.sh python3 benchmarks/bench_recipe.py --data_dir .data --full
 # The machine has torch, transformers and accelerate but not datasets/evaluate: their wheels travel in .whl/
 # (../shared/device/wheels.sh), and the CS224N files in .data/ (both git-ignored, named in `carry`).
 #

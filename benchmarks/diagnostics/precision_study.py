@@ -3,7 +3,7 @@
 pretraining (the whole 650-epoch learning-rate schedule, stopped early) under several precision settings,
 side by side in one run; prints the loss at the handouts' logged steps last.
 
-    python benchmarks/precision_study.py --data_dir .data --steps 3000
+    python benchmarks/diagnostics/precision_study.py --data_dir .data --steps 3000
 
 Settings (each a fresh model from the same seed; bf16 means autocast with fp32 master weights):
 - fp32: TF32 matrix products, the reference;
@@ -36,7 +36,7 @@ import torch
 from accelerate.state import AcceleratorState
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, attention_knowgpt  # noqa: E402

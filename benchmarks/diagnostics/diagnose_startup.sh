@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where does the user's wait go? Imports, accelerate's launcher, evaluate_checkpoint.py and a warm train.py under cProfile,
-# and finetuning graphed against eager. Run on the GPU machine, as it ran in session 9 (an H100):
-#   bash benchmarks/device_session.sh bash benchmarks/diagnose_startup.sh 2>&1 | tee $OUT/diag.log
+# and finetuning graphed against eager. Run on the GPU machine (it ran on an H100, 2026-11-27):
+#   bash benchmarks/gpu_machine.sh bash benchmarks/diagnostics/diagnose_startup.sh 2>&1 | tee $OUT/diag.log
 # (.data holds the CS224N files; the profiles land in $OUT for `python -m pstats`.)
 set -u
 D=.data

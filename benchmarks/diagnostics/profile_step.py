@@ -3,7 +3,7 @@
 torch.compile'd kernels, fp32 with TF32 matmuls or bf16 autocast), on wiki.txt with the handout model,
 and the top CUDA kernels of one of them (`--profile`). Prints a table last.
 
-    python benchmarks/profile_step.py --data_dir .data
+    python benchmarks/diagnostics/profile_step.py --data_dir .data
 
 A variant is `dense|packed:no|bf16[:compile][:eager-attn|:triton-attn[=1|2|3][:block=N][:grid-attn]][:kernel=float32|float16|none][:separate-qkv][:no-combo][:autotune][:dense-inputs]`:
 `eager-attn` runs attention unfused (matrix products, softmax, dropout: `attn_implementation="eager"`),
@@ -27,7 +27,7 @@ import torch
 import torch._dynamo.config
 from accelerate.state import AcceleratorState
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from data_loaders import encode_documents, read_corpus  # noqa: E402
 from hf_knowgpt import (  # noqa: E402
