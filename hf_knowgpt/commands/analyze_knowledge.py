@@ -21,6 +21,7 @@ from data_loaders import generate_people, synthetic_corpus_files
 from data_loaders.synthetic import DEFAULT_NUM_PEOPLE, split_people
 
 from ..analysis.knowledge_report import analyze_knowledge
+from ..utils.checkpoints import quiet_progress_bars
 from ..utils.errors import InputError
 from . import cli
 
@@ -57,7 +58,8 @@ def main(argv=None):
     if args.calibration_corpus_path is None:
         raise InputError("--calibration_corpus_path", "is needed", "labeled questions the checkpoint did not train on")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).to(device)
+    with quiet_progress_bars():  # the report's output, not transformers' loading bar
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).to(device)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     summary = analyze_knowledge(
         model, tokenizer, args.eval_corpus_path, args.calibration_corpus_path, args.output_dir,
