@@ -23,6 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ATTENTION_TYPES = ["vanilla", "rope", "synthesizer", "perceiver"]
 
+# The start of a script run in a subprocess as if this package were not installed (an editable install
+# imports it from anywhere): a checkpoint's own code must run without it.
+WITHOUT_THE_PACKAGE = """
+import importlib.abc, sys
+class WithoutThePackage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("hf_knowgpt", "data_loaders"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, WithoutThePackage())
+"""
+
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():

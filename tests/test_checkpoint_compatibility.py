@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ATTENTION_TYPES, REPO_ROOT
+from conftest import ATTENTION_TYPES, REPO_ROOT, WITHOUT_THE_PACKAGE
 from safetensors.torch import load_file
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -39,9 +39,10 @@ def test_an_earlier_checkpoint_loads_into_this_package(version, attention_type):
 @pytest.mark.parametrize("version", sorted(SAVED_BY))
 def test_an_earlier_checkpoint_runs_its_own_code_without_the_package(version, attention_type):
     folder = SAVED_BY[version] / attention_type
-    script = f"""
+    script = (
+        WITHOUT_THE_PACKAGE
+        + f"""
 import sys, torch
-sys.path = [p for p in sys.path if p not in ("", {str(REPO_ROOT)!r})]
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
@@ -53,6 +54,7 @@ with torch.no_grad():
 assert tokenizer.decode(tokenizer("abc")["input_ids"]) == "abc"
 print("remote-code-ok", type(model).__module__)
 """
+    )
     result = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
