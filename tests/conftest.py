@@ -1,5 +1,7 @@
 import os
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,17 +24,6 @@ needs_data = pytest.mark.skipif(not HAS_DATA, reason=f"CS224N data not present i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ATTENTION_TYPES = ["vanilla", "rope", "synthesizer", "perceiver"]
-
-# The start of a script run in a subprocess as if this package were not installed (an editable install
-# imports it from anywhere): a checkpoint's own code must run without it.
-WITHOUT_THE_PACKAGE = """
-import importlib.abc, sys
-class WithoutThePackage(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("hf_knowgpt", "data_loaders"):
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-sys.meta_path.insert(0, WithoutThePackage())
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +83,36 @@ def write_cs224n_named_synthetic(directory, num_people=40, seed=0) -> Path:
 def seeded():
     torch.manual_seed(0)
     return torch.Generator().manual_seed(0)
+
+
+def run_checkpoint_code_without_the_package(folder, checks: str):
+    """Load the checkpoint in `folder` with `trust_remote_code` in a fresh process where this package cannot be
+    imported (an editable install imports it from anywhere), then run `checks`: Python lines that see `model`
+    (the causal LM, in eval mode), `tokenizer`, `torch` and `folder`. The model must run the checkpoint's own
+    code, the tokenizer must round-trip, and the package must stay unimported."""
+    script = f"""
+import importlib.abc, sys
+class WithoutThePackage(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("hf_knowgpt", "data_loaders"):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, WithoutThePackage())
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder = Path({str(folder)!r})
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+assert tokenizer.decode(tokenizer("abc")["input_ids"]) == "abc"
+{textwrap.dedent(checks)}
+assert "hf_knowgpt" not in sys.modules, "the package was imported"
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -1,12 +1,9 @@
 """Checkpoints saved by an earlier version of the package load with this one, and with their own code
 (`trust_remote_code`) in an environment without the package, and give the logits they gave when saved."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ATTENTION_TYPES, REPO_ROOT, WITHOUT_THE_PACKAGE
+from conftest import ATTENTION_TYPES, REPO_ROOT, run_checkpoint_code_without_the_package
 from safetensors.torch import load_file
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures"
@@ -39,28 +36,12 @@ def test_an_earlier_checkpoint_loads_into_this_package(version, attention_type):
 @pytest.mark.parametrize("version", sorted(SAVED_BY))
 def test_an_earlier_checkpoint_runs_its_own_code_without_the_package(version, attention_type):
     folder = SAVED_BY[version] / attention_type
-    script = (
-        WITHOUT_THE_PACKAGE
-        + f"""
-import sys, torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
-tokenizer = AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
-assert "hf_knowgpt" not in sys.modules, "the package was imported"
-probe = load_file({str(folder / "probe.safetensors")!r})
-with torch.no_grad():
-    torch.testing.assert_close(model(probe["input_ids"]).logits, probe["logits"], rtol=0, atol=1e-5)
-assert tokenizer.decode(tokenizer("abc")["input_ids"]) == "abc"
-print("remote-code-ok", type(model).__module__)
-"""
+    run_checkpoint_code_without_the_package(
+        folder,
+        """
+        from safetensors.torch import load_file
+        probe = load_file(folder / "probe.safetensors")
+        with torch.no_grad():
+            torch.testing.assert_close(model(probe["input_ids"]).logits, probe["logits"], rtol=0, atol=1e-5)
+        """,
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=folder,
-        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote-code-ok transformers_modules" in result.stdout

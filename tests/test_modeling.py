@@ -1,9 +1,6 @@
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ATTENTION_TYPES, WITHOUT_THE_PACKAGE, perturbed_model, tiny_config
+from conftest import ATTENTION_TYPES, perturbed_model, run_checkpoint_code_without_the_package, tiny_config
 from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -239,29 +236,14 @@ def test_checkpoint_loads_with_trust_remote_code_without_the_package(attention_t
     ids = random_ids(1, 6)
     expected = model(ids).logits
     torch.save({"ids": ids, "expected": expected}, tmp_path / "probe.pt")
-    script = (
-        WITHOUT_THE_PACKAGE
-        + f"""
-import sys, torch
-from transformers import AutoModelForCausalLM, AutoModel, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
-AutoModel.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
-probe = torch.load({str(tmp_path / "probe.pt")!r})
-assert torch.equal(model(probe["ids"]).logits, probe["expected"])
-model.set_attn_implementation("triton")  # the kernel is not in the checkpoint: SDPA
-assert torch.equal(model(probe["ids"]).logits, probe["expected"])
-assert "hf_knowgpt" not in sys.modules, "the package was imported"
-assert tokenizer.decode(tokenizer("abc")["input_ids"]) == "abc"
-print("remote-code-ok", type(model).__module__)
-"""
+    run_checkpoint_code_without_the_package(
+        tmp_path,
+        """
+        from transformers import AutoModel
+        AutoModel.from_pretrained(folder, trust_remote_code=True)
+        probe = torch.load(folder / "probe.pt")
+        assert torch.equal(model(probe["ids"]).logits, probe["expected"])
+        model.set_attn_implementation("triton")  # the kernel is not in the checkpoint: SDPA
+        assert torch.equal(model(probe["ids"]).logits, probe["expected"])
+        """,
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "remote-code-ok transformers_modules" in result.stdout
