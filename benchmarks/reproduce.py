@@ -18,16 +18,22 @@ is scored too (`pretrained_accuracy`, through scripts/evaluate_checkpoint.py). -
 every E pretraining epochs (seed 0) and scores each one (finetuned first when the variant finetunes), all
 through the scripts: accuracy against pretraining epochs. Results go to --results (JSON); checkpoints and
 predictions to --output_dir. A table is printed last.
+
+--gpus 0,1,2,3 runs the rows side by side, one command per GPU at a time (each sees only its GPU through
+CUDA_VISIBLE_DEVICES, as a user running it there would); every command is still the one-GPU command, and
+its process time is its own wall time. Logs then go to each row's folder only.
 """
 
 import argparse
 import json
 import os
+import queue
 import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,15 +116,23 @@ def train_command(variant, seed, files, output_dir, extra_flags=(), launch=()) -
     return command + ["--output_dir", str(output_dir), *extra_flags]
 
 
+_WORKER = threading.local()  # the GPU of the worker thread running a command (--gpus), if any
+
+
 def run_logged(command, log_path: Path) -> float:
-    """Run a command as a user would, its output echoed and kept; returns its wall time in seconds."""
-    print("+ " + shlex.join(command), flush=True)
+    """Run a command as a user would, its output echoed and kept; returns its wall time in seconds. On a
+    worker of --gpus, the command sees only that worker's GPU and its output goes to the log only."""
+    gpu = getattr(_WORKER, "gpu", None)
+    environment = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu) if gpu is not None else None
+    print(("" if gpu is None else f"[GPU {gpu}] ") + "+ " + shlex.join(command), flush=True)
     started = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT, env=environment
+        )
         for line in process.stdout:
             log.write(line)
-            if "\r" not in line:  # progress bars stay in the log
+            if "\r" not in line and gpu is None:  # progress bars stay in the log
                 sys.stdout.write(line)
         process.wait()
     seconds = time.perf_counter() - started
@@ -211,6 +225,9 @@ def parse_args(argv=None):
         "--num_processes", type=int, default=1, help="processes: 1 runs python, more run accelerate launch --multi_gpu"
     )
     parser.add_argument("--torch_compile", action="store_true", help="pass --torch_compile to every command")
+    parser.add_argument(
+        "--gpus", default=None, help="run the rows side by side, one one-GPU command per listed GPU (0,1,2,3)"
+    )
     parser.add_argument("--flags", default="", help="more train.py flags for every command (quoted)")
     parser.add_argument("--output_dir", default="/tmp/knowgpt-reproduce")
     parser.add_argument("--results", default=None, help="JSON file for every run")
@@ -237,23 +254,51 @@ def main(argv=None):
     output_dir = Path(args.output_dir)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
-    rows, device = [], None
-    for variant in args.variants.split(","):
-        for seed in map(int, args.seeds.split(",")):
-            try:
-                row = run_one(
-                    variant, seed, files, output_dir, launch, launch_flags, extra_flags, args.curve_every, args.heldout
-                )
-            except Exception as error:  # record it and go on: one failed run must not cost the others
-                print(json.dumps({"variant": variant, "seed": seed, "error": repr(error)}), flush=True)
-                continue
-            rows.append(row)
-            device = row["device"]
+    jobs = [(variant, seed) for variant in args.variants.split(",") for seed in map(int, args.seeds.split(","))]
+    results, lock = {}, threading.Lock()
+
+    def run_job(job):
+        variant, seed = job
+        try:
+            row = run_one(
+                variant, seed, files, output_dir, launch, launch_flags, extra_flags, args.curve_every, args.heldout
+            )
+        except Exception as error:  # record it and go on: one failed run must not cost the others
+            print(json.dumps({"variant": variant, "seed": seed, "error": repr(error)}), flush=True)
+            return
+        with lock:
+            results[job] = row
             print(json.dumps(row), flush=True)
             if args.results:
-                summary = {"device": device, "heldout": args.heldout, "mixed_precision": args.mixed_precision,
+                rows = [results[j] for j in jobs if j in results]
+                summary = {"device": row["device"], "heldout": args.heldout, "mixed_precision": args.mixed_precision,
                            "rows": rows}  # fmt: skip
                 Path(args.results).write_text(json.dumps(summary, indent=1))
+
+    if args.gpus is None:
+        for job in jobs:
+            run_job(job)
+    else:
+        pending = queue.Queue()
+        for job in jobs:
+            pending.put(job)
+
+        def worker(gpu):
+            _WORKER.gpu = gpu
+            while True:
+                try:
+                    job = pending.get_nowait()
+                except queue.Empty:
+                    return
+                run_job(job)
+
+        threads = [threading.Thread(target=worker, args=(gpu,)) for gpu in args.gpus.split(",")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    rows = [results[job] for job in jobs if job in results]
+    device = rows[-1]["device"] if rows else None
 
     scored_on = f"the last {args.heldout} training questions (held out)" if args.heldout else "birth_dev.tsv"
     print(f"\n{device}; exact match on {scored_on}; whole commands ({' '.join(launch)} scripts/train.py ...)")

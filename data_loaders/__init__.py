@@ -12,6 +12,14 @@ file does not load torch or `datasets` (the scripts start in a second instead of
 from hf_knowgpt.utils.lazy import lazy_exports
 
 _EXPORTS = {
+    "augmentation": [
+        "QUESTION_PHRASINGS",
+        "all_document_variants",
+        "document_variants",
+        "question_variants",
+        "split_phrases",
+        "split_title",
+    ],
     "builders": ["BirthplaceBuilder", "CorpusBuilder", "load_birthplaces", "load_corpus"],
     "corpus": [
         "BirthplaceRecord",
@@ -27,7 +35,9 @@ _EXPORTS = {
         "birthplace_transform",
         "collate_handout_pairs",
         "encode_birthplace_examples",
+        "encode_document_variants",
         "encode_documents",
+        "encode_question_variants",
         "encode_questions",
         "encode_texts",
         "handout_xy",

@@ -12,6 +12,7 @@ import torch
 
 from hf_knowgpt.utils.errors import InputError
 
+from .augmentation import all_document_variants, question_variants
 from .span_corruption import MASK_ID, MIN_DOCUMENT_LENGTH, PAD_ID, pack_documents, span_corrupt
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,27 @@ def _first_lines(source: str, first_item: dict) -> dict:
 def encode_documents(tokenizer, documents: list[str], block_size: int, source: str = "corpus"):
     """Documents as the (N, ⌊7B/8⌋) id matrix and lengths that `span_corrupt` reads."""
     return pack_documents(encode_texts(tokenizer, documents, source), block_size)
+
+
+def encode_document_variants(
+    tokenizer, documents: list[str], block_size: int, count: int, seed: int = 0, source: str = "corpus"
+):
+    """Every document's variants (`augmentation.document_variants`: the original first, then reorderings of
+    its phrases) as one id matrix, with the number of variants of each document: (ids, lengths, counts).
+    Variants are drawn before truncation, so a reordering can bring a document's later phrases into view."""
+    variants = all_document_variants(documents, count, seed)
+    flat = [text for texts in variants for text in texts]
+    ids, lengths = pack_documents(encode_texts(tokenizer, flat, source), block_size)
+    return ids, lengths, torch.tensor([len(texts) for texts in variants])
+
+
+def encode_question_variants(tokenizer, names, answers, count: int, block_size: int, source: str = "questions"):
+    """`encode_birthplace_examples` over `count` phrasings of each person's question (`augmentation.
+    question_variants`, the evaluation's form first), one after another: (input_ids, labels, counts)."""
+    questions = [question for name in names for question in question_variants(name, count)]
+    repeated_answers = [answer for answer in answers for _ in range(count)]
+    input_ids, labels = encode_birthplace_examples(tokenizer, questions, repeated_answers, block_size, source)
+    return input_ids, labels, torch.full((len(names),), count)
 
 
 def encode_birthplace_examples(tokenizer, questions, answers, block_size: int, source: str = "questions"):
@@ -139,7 +161,9 @@ __all__ = [
     "birthplace_transform",
     "collate_handout_pairs",
     "encode_birthplace_examples",
+    "encode_document_variants",
     "encode_documents",
+    "encode_question_variants",
     "encode_questions",
     "encode_texts",
     "handout_xy",

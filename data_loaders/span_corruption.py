@@ -8,6 +8,8 @@ For a document d and block size B:
      which averages L/4 and ranges from 1 to about L/2, and the prefix length is uniform over the rest;
   3. write `prefix ⁇ suffix ⁇ masked` and pad with "□" to B characters;
   4. the model reads the string and predicts it shifted by one; pad targets are not trained.
+A `plain` document (a knowledge-augmentation option) keeps its text whole, nothing masked:
+`text ⁇ ⁇`, next-character prediction over the truncated document.
 
 This is the only implementation in the project: the CS224N drop-in dataset, the 🤗 datasets transform and
 the GPU training loop all call `span_corrupt`. It works on CPU or CUDA tensors and draws all randomness
@@ -52,16 +54,24 @@ def pack_documents(token_ids: list[list[int]], block_size: int) -> tuple[torch.L
     return documents, lengths
 
 
-def draw_uniforms(n_docs: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """The three uniforms per document that decide its corruption (drawn where the generator lives)."""
+def draw_uniforms(
+    n_docs: int, generator: torch.Generator | None = None, device=None, columns: int = 3
+) -> torch.Tensor:
+    """The uniforms per document that decide its example (drawn where the generator lives): the first three
+    decide its corruption; augmented data reads further columns (`training_data`)."""
     device = generator.device if generator is not None else device
-    return torch.rand(n_docs, 3, generator=generator, device=device, dtype=torch.float64)
+    return torch.rand(n_docs, columns, generator=generator, device=device, dtype=torch.float64)
 
 
 def corruption_plan(
-    lengths: torch.Tensor, uniforms: torch.Tensor, block_size: int, min_truncation_length: int = MIN_DOCUMENT_LENGTH
+    lengths: torch.Tensor,
+    uniforms: torch.Tensor,
+    block_size: int,
+    min_truncation_length: int = MIN_DOCUMENT_LENGTH,
+    plain: torch.Tensor | None = None,
 ):
-    """(truncated, masked, prefix) lengths per document; the example then holds truncated + 2 characters."""
+    """(truncated, masked, prefix) lengths per document; the example then holds truncated + 2 characters.
+    Documents where `plain` is true keep their text whole: nothing masked, the prefix is all of it."""
     max_length = max_truncation_length(block_size)
     shortest = check_min_truncation_length(min_truncation_length, block_size)
     lengths = lengths.to(device=uniforms.device, dtype=torch.long)
@@ -70,6 +80,9 @@ def corruption_plan(
     masked = 1 + (uniforms[:, 1] * (truncated.double() / 2 - 1).clamp(min=0)).long()
     masked = torch.minimum(masked, truncated.clamp(min=1))
     prefix = (uniforms[:, 2] * (truncated - masked + 1).double()).long()
+    if plain is not None:
+        plain = plain.to(truncated.device)
+        masked, prefix = torch.where(plain, 0, masked), torch.where(plain, truncated, prefix)
     return truncated, masked, prefix
 
 
@@ -82,10 +95,12 @@ def span_corrupt(
     pad_id: int = PAD_ID,
     uniforms: torch.Tensor | None = None,
     min_truncation_length: int = MIN_DOCUMENT_LENGTH,
+    plain: torch.Tensor | None = None,
 ) -> CorruptedBatch:
     """Corrupt each row of `documents` (N, W ≥ ⌊7B/8⌋ or the longest length) into one training string.
 
-    The randomness is `uniforms` when given (see `draw_uniforms`), else drawn from `generator`.
+    The randomness is `uniforms` when given (see `draw_uniforms`), else drawn from `generator`; rows where
+    `plain` (N,) is true are kept whole (`text ⁇ ⁇`).
     """
     n_docs, width = documents.shape
     device = documents.device
@@ -94,7 +109,7 @@ def span_corrupt(
     if uniforms is None:
         uniforms = draw_uniforms(n_docs, generator, device)
     truncated, masked, prefix = corruption_plan(
-        lengths, uniforms.to(device, non_blocking=True), block_size, min_truncation_length
+        lengths, uniforms.to(device, non_blocking=True), block_size, min_truncation_length, plain
     )
     suffix = truncated - prefix - masked
 

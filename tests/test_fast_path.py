@@ -8,11 +8,17 @@ import torch
 import torch.multiprocessing
 from conftest import tiny_config
 
-from data_loaders import encode_birthplace_examples, encode_documents, generate_people
+from data_loaders import (
+    encode_birthplace_examples,
+    encode_document_variants,
+    encode_documents,
+    encode_question_variants,
+    generate_people,
+)
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
 from hf_knowgpt.kernels.fused_attention import fused_attention_available
 from hf_knowgpt.training.arguments import TrainingArguments
-from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData
+from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData, VariantRows
 from hf_knowgpt.training.fast_path import GraphedStepper, resolve_training_path
 from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
 
@@ -118,7 +124,17 @@ def question_data(tokenizer):
     return FinetuningData(*encode_birthplace_examples(tokenizer, questions, [p.place for p in people], BLOCK))
 
 
-@pytest.mark.parametrize("kind", ["pretraining", "finetuning", "mixed"])
+def augmented_mixed_data(tokenizer):
+    """Mixed data with every augmentation: document variants, plain-text exposures, question phrasings."""
+    people = generate_people(40, seed=2)
+    ids, lengths, counts = encode_document_variants(tokenizer, [p.sentence for p in people], BLOCK, 3)
+    documents = PretrainingData(ids, lengths, BLOCK, variants=VariantRows.consecutive(counts), plain_text_fraction=0.3)
+    names, places = [p.name for p in people], [p.place for p in people]
+    q_ids, q_labels, q_counts = encode_question_variants(tokenizer, names, places, 3, BLOCK)
+    return MixedData(documents, FinetuningData(q_ids, q_labels, VariantRows.consecutive(q_counts)))
+
+
+@pytest.mark.parametrize("kind", ["pretraining", "finetuning", "mixed", "augmented"])
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path, kind, packed):
     """The body the CUDA graph captures (run uncaptured here) against the eager step, step by step."""
@@ -127,8 +143,9 @@ def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path
         "pretraining": lambda: pretraining,
         "finetuning": lambda: question_data(tokenizer),
         "mixed": lambda: MixedData(pretraining, question_data(tokenizer)),
+        "augmented": lambda: augmented_mixed_data(tokenizer),
     }[kind]()
-    if kind == "mixed" and not packed:
+    if kind in ("mixed", "augmented") and not packed:
         pytest.skip("the dense body draws its spans on the device; the mixed batch is covered packed")
     eager_model = fresh_model(len(tokenizer))
     graphed_model = copy.deepcopy(eager_model)

@@ -58,3 +58,25 @@ def test_reproduction_script_runs_the_one_command_for_every_kind_of_variant(tmp_
 def test_finetuning_a_recipe_without_a_finetuning_stage_is_refused(tmp_path):
     with pytest.raises(ValueError, match="recipe 'knowledge' has no finetuning stage"):
         workflows.finetune(tmp_path / "out", model_name_or_path=tmp_path, recipe="knowledge")
+
+
+def test_rows_run_side_by_side_on_listed_gpus_with_every_augmentation(tmp_path):
+    """--gpus: the rows' one-GPU commands run concurrently, each worker naming its GPU; the table keeps the
+    rows' order. The variants go through every knowledge-augmentation flag of the one command."""
+    data = write_cs224n_named_synthetic(tmp_path, num_people=40)
+    results = tmp_path / "results.json"
+    variants = "knowledge+document_variants=3+plain_text_fraction=0.2,knowledge+question_variants=4+question_repeats=2"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "reproduce.py"), "--data_dir", str(data),
+               "--variants", variants, "--seeds", "0", "--flags", TINY, "--heldout", "6", "--gpus", "0,1",
+               "--output_dir", str(tmp_path / "runs"), "--results", str(results)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(results.read_text())["rows"]
+    assert [r["variant"] for r in rows] == variants.split(",")
+    assert all(r["total"] == 6 for r in rows)
+    assert "[GPU 0] + " in result.stdout and "[GPU 1] + " in result.stdout
+    assert "--document_variants 3 --plain_text_fraction 0.2" in rows[0]["command"]
+    first = (tmp_path / "runs" / f"{rows[0]['variant']}-seed0" / "run" / "pretrained" / "README.md").read_text()
+    second = (tmp_path / "runs" / f"{rows[1]['variant']}-seed0" / "run" / "pretrained" / "README.md").read_text()
+    assert "one of up to 3 versions" in first and "0.2 of exposures as plain text" in first
+    assert "in one of 4 phrasings" in second and "each 2 times per epoch" in second

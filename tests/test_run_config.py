@@ -198,6 +198,9 @@ PRETRAIN_ONLY_FLAGS = [
     ("knowledge", ["--no_mixed_training"], {"data.mixed_training": False}),
     ("handout", ["--document_repeats", "3"], {"data.document_repeats": 3}),
     ("knowledge", ["--question_repeats", "2"], {"data.question_repeats": 2}),
+    ("knowledge", ["--document_variants", "4"], {"data.document_variants": 4}),
+    ("knowledge", ["--plain_text_fraction", "0.25"], {"data.plain_text_fraction": 0.25}),
+    ("knowledge", ["--question_variants", "3"], {"data.question_variants": 3}),
 ]
 
 
@@ -371,3 +374,16 @@ def test_resolution_refuses_unknown_settings():
         resolve_run_config("handout", {"pretrain.max_epoch": 3})
     with pytest.raises(ValueError, match="model.width: unknown setting"):
         resolve_run_config("handout", {"model.width": 3})
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--document_variants", "0"], "--document_variants: must be a positive integer"),
+        (["--question_variants", "9"], "--question_variants: there are 8 phrasings"),
+        (["--plain_text_fraction", "1.5"], "--plain_text_fraction: must lie between 0 and 1"),
+    ],
+)
+def test_augmentation_settings_out_of_range_are_refused(flags, message, data, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        resolve(TRAIN, train_argv("knowledge", data, tmp_path) + flags)

@@ -283,6 +283,29 @@ def test_repeated_documents_and_questions_fill_the_epoch(corpus, tmp_path):
     assert "each 3 times per epoch" in card and "each 2 times per epoch" in card
 
 
+def test_augmented_mixed_training_runs_and_is_described(corpus, tmp_path):
+    """Knowledge augmentation by variation: documents as one of K versions, a share as plain text, questions
+    in several phrasings; the epoch holds each document and question once, the card says what was read."""
+    documents = len(corpus.corpus.read_text().strip().split("\n"))
+    questions = len(corpus.train.read_text().strip().split("\n"))
+    _, metrics = workflows.pretrain(
+        tmp_path / "run", pretrain_corpus_path=corpus.corpus, mixed_training_corpus_path=corpus.train,
+        recipe="knowledge", **TINY_OVERRIDES, max_epochs=2, batch_size=16, document_variants=4,
+        plain_text_fraction=0.25, question_variants=3, document_repeats=2,
+    )  # fmt: skip
+    assert metrics["global_step"] == 2 * -(-(2 * documents + questions) // 16)
+    assert metrics["final_loss"] is not None and math.isfinite(metrics["final_loss"])
+    card = (tmp_path / "run" / "README.md").read_text()
+    assert "one of up to 4 versions" in card and "0.25 of exposures as plain text" in card
+    assert "in one of 3 phrasings" in card
+    recorded = json.loads((tmp_path / "run" / "training_args.json").read_text())["run_config"]
+    assert (recorded["document_variants"], recorded["plain_text_fraction"], recorded["question_variants"]) == (
+        4,
+        0.25,
+        3,
+    )
+
+
 def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):
     _, whole = pretrain_in_process(corpus, tmp_path / "whole", log_every=1)
     _, start = pretrain_in_process(corpus, tmp_path / "start", log_every=1, stop_after_steps=5)

@@ -97,6 +97,18 @@ def add_data_arguments(parser: argparse.ArgumentParser):
         group, "--question_repeats", "data.question_repeats", "each mixed-in question this many times per epoch (1)",
         type=int,
     )  # fmt: skip
+    _value(
+        group, "--document_variants", "data.document_variants", "read each document as one of this many versions, "
+        "drawn afresh at every exposure: the original and reorderings of its phrases behind its title (1)", type=int,
+    )  # fmt: skip
+    _value(
+        group, "--plain_text_fraction", "data.plain_text_fraction", "share of document exposures read whole as "
+        "plain text, without a masked span (0)", type=float,
+    )  # fmt: skip
+    _value(
+        group, "--question_variants", "data.question_variants", "ask each mixed-in question in one of this many "
+        "phrasings, drawn afresh at every exposure (1: only 'Where was <name> born?')", type=int,
+    )  # fmt: skip
 
 
 def _tracker(value: str):

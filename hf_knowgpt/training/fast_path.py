@@ -194,7 +194,7 @@ class GraphedStepper:
         self.generator = torch.Generator()
         self.indices = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.valid = torch.zeros(self.rows, dtype=torch.bool, device=device)
-        self.uniforms = torch.zeros(self.rows, 3, dtype=torch.float64, device=device)
+        self.uniforms = torch.zeros(self.rows, data.uniform_columns, dtype=torch.float64, device=device)
         self.trained_targets = torch.ones((), dtype=torch.float32, device=device)  # the global batch's
         self.token_indices = {}  # capacity -> device buffer
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
@@ -272,7 +272,7 @@ class GraphedStepper:
         pad = self.rows - len(mine)
         indices = torch.cat([indices[mine], indices.new_zeros(pad)])
         lengths = torch.cat([lengths[mine], lengths.new_zeros(pad)])
-        uniforms = torch.cat([uniforms[mine], uniforms.new_zeros(pad, 3)])
+        uniforms = torch.cat([uniforms[mine], uniforms.new_zeros(pad, uniforms.shape[1])])
         valid = torch.arange(self.rows) < len(mine)
         token_index = packed_token_index(lengths, self.seq_len, size=capacity)
         if capacity not in self.token_indices:

@@ -35,6 +35,13 @@ class Recipe:
     # afresh), each mixed-in question–answer example this many times
     document_repeats: int = 1
     question_repeats: int = 1
+    # knowledge augmentation by variation (data_loaders.augmentation), drawn afresh at each exposure: each
+    # document read as one of this many versions (the original and reorderings of its phrases behind its
+    # title); this share of document exposures as plain text (no masked span); each mixed-in question asked
+    # in one of this many phrasings (the evaluation's form among them, the answer format unchanged)
+    document_variants: int = 1
+    plain_text_fraction: float = 0.0
+    question_variants: int = 1
 
 
 HANDOUT = Recipe(

@@ -6,7 +6,7 @@ argparse defaults are `SUPPRESS`):
 
 - `model.<field>`: a `KnowGPTConfig` field (`model.attention_type`, `model.n_embd`, ...);
 - `data.<field>`: `data.min_truncation_length`, `data.mixed_training`, `data.document_repeats`,
-  `data.question_repeats`;
+  `data.question_repeats`, `data.document_variants`, `data.plain_text_fraction`, `data.question_variants`;
 - `pretrain.<field>` / `finetune.<field>`: a `TrainingArguments` field of that stage only;
 - `run.<field>`: a `TrainingArguments` field of every stage (seed, training path, logging, ...).
 
@@ -17,6 +17,7 @@ apart from reading `KnowGPTConfig`'s defaults, so tests can resolve every docume
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from data_loaders.augmentation import QUESTION_PHRASINGS
 from data_loaders.corpus import DataFiles, read_corpus
 from data_loaders.truncation import max_truncation_length
 
@@ -37,7 +38,15 @@ MODEL_FIELDS = (
     "attn_pdrop",
     "attention_kernel_dtype",
 )
-DATA_FIELDS = ("min_truncation_length", "mixed_training", "document_repeats", "question_repeats")
+DATA_FIELDS = (
+    "min_truncation_length",
+    "mixed_training",
+    "document_repeats",
+    "question_repeats",
+    "document_variants",
+    "plain_text_fraction",
+    "question_variants",
+)
 TRAINING_FIELDS = tuple(f.name for f in fields(TrainingArguments) if f.name != "output_dir")
 STAGES = ("pretrain", "finetune")
 SECTIONS = ("model", "data", "run", *STAGES)
@@ -54,6 +63,9 @@ class RunConfig:
     mixed_training: bool
     document_repeats: int = 1  # each pretraining document this many times per epoch, corrupted afresh each time
     question_repeats: int = 1  # each mixed-in question–answer example this many times per epoch
+    document_variants: int = 1  # versions of each document (phrases reordered), one drawn per exposure
+    plain_text_fraction: float = 0.0  # share of document exposures read whole, with no masked span
+    question_variants: int = 1  # phrasings of each mixed-in question, one drawn per exposure
     pretrain: TrainingArguments | None = None
     finetune: TrainingArguments | None = None
     finetune_from: str | None = None  # "pretrained" or "scratch" when there is a finetuning stage
@@ -84,7 +96,14 @@ class RunConfig:
             f"  data      shortest truncation {self.min_truncation_length}, "
             f"mixed training {'on' if self.mixed_training else 'off'}"
             + (f", documents ×{self.document_repeats}" if self.document_repeats != 1 else "")
-            + (f", questions ×{self.question_repeats}" if self.mixed_training and self.question_repeats != 1 else ""),
+            + (f", {self.document_variants} document variants" if self.document_variants != 1 else "")
+            + (f", {self.plain_text_fraction:g} plain text" if self.plain_text_fraction else "")
+            + (f", questions ×{self.question_repeats}" if self.mixed_training and self.question_repeats != 1 else "")
+            + (
+                f", {self.question_variants} question phrasings"
+                if self.mixed_training and self.question_variants != 1
+                else ""
+            ),
         ]
         for stage in self.stages:
             args = getattr(self, stage)
@@ -235,14 +254,28 @@ def resolve_run_config(
         model=model,
         min_truncation_length=min_truncation_length,
         mixed_training=given.get("data.mixed_training", recipe.mixed_training),
-        document_repeats=given.get("data.document_repeats", recipe.document_repeats),
-        question_repeats=given.get("data.question_repeats", recipe.question_repeats),
+        **{
+            name: given.get(f"data.{name}", getattr(recipe, name))
+            for name in (
+                "document_repeats",
+                "question_repeats",
+                "document_variants",
+                "plain_text_fraction",
+                "question_variants",
+            )
+        },
         given=given,
     )
-    for name in ("document_repeats", "question_repeats"):
+    for name in ("document_repeats", "question_repeats", "document_variants", "question_variants"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"--{name}", f"must be a positive integer, got {value!r}")
+    if not 0.0 <= config.plain_text_fraction <= 1.0:
+        raise InputError("--plain_text_fraction", f"must lie between 0 and 1, got {config.plain_text_fraction!r}")
+    if config.question_variants > len(QUESTION_PHRASINGS):
+        raise InputError(
+            "--question_variants", f"there are {len(QUESTION_PHRASINGS)} phrasings, got {config.question_variants}"
+        )
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"unknown stages {sorted(unknown)}; choose from {list(STAGES)}")

@@ -19,7 +19,12 @@ from pathlib import Path
 from accelerate.utils import set_seed
 
 from data_loaders.corpus import DataFiles, read_birthplaces, read_corpus
-from data_loaders.encoding import encode_birthplace_examples, encode_documents
+from data_loaders.encoding import (
+    encode_birthplace_examples,
+    encode_document_variants,
+    encode_documents,
+    encode_question_variants,
+)
 from data_loaders.truncation import MIN_DOCUMENT_LENGTH
 
 from ..analysis.evaluation import dataset_id, evaluate_birthplaces, load_checkpoint, london_baseline, scores_path
@@ -29,7 +34,7 @@ from ..tokenization_knowgpt import KnowGPTTokenizerFast
 from ..utils.checkpoints import list_checkpoints, looks_like_hub_id, write_json_atomic
 from ..utils.errors import InputError
 from ..utils.model_card import describe_device, read_card_facts, write_model_card
-from .data import FinetuningData, MixedData, PretrainingData
+from .data import FinetuningData, MixedData, PretrainingData, VariantRows
 from .run_config import RunConfig, plan_finetuning, plan_pretraining, qualify
 from .trainer import KnowGPTTrainer, make_accelerator
 
@@ -148,7 +153,7 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
     return model, metrics
 
 
-def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
+def _birthplace_records(path):
     records = read_birthplaces(path)
     if any(record.answer is None for record in records):
         raise InputError(
@@ -156,8 +161,64 @@ def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
             "no line has a tab and a place: it looks like questions only",
             "training needs 'question TAB place' lines",
         )
+    return records
+
+
+def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
+    records = _birthplace_records(path)
     questions, answers = [r.question for r in records], [r.answer for r in records]
     return FinetuningData(*encode_birthplace_examples(tokenizer, questions, answers, block_size, str(path)))
+
+
+def pretraining_data(config: RunConfig, files: DataFiles, tokenizer, block_size: int, documents: list[str]):
+    """What the pretraining stage of `config` reads, and its description for the model card: the corpus's
+    documents (each `document_repeats` times per epoch, as one of `document_variants` versions, a share read
+    as plain text) and, with mixed training, the training questions (`question_repeats` times, in one of
+    `question_variants` phrasings). Variation is drawn afresh at every exposure (`VariantRows`)."""
+    source = str(files.corpus)
+    repeats, seed = config.document_repeats, config.pretrain.seed
+    if config.document_variants > 1:
+        ids, lengths, counts = encode_document_variants(
+            tokenizer, documents, block_size, config.document_variants, seed, source
+        )
+        variants = VariantRows.consecutive(counts).repeat(repeats)
+    else:  # every copy draws its own corruption
+        ids, lengths = encode_documents(tokenizer, documents, block_size, source)
+        ids, lengths, variants = ids.repeat(repeats, 1), lengths.repeat(repeats), None
+    data = PretrainingData(
+        ids, lengths, block_size, config.min_truncation_length, variants, config.plain_text_fraction
+    )
+    description = f"span corruption on `{Path(files.corpus).name}` ({len(documents)} documents)"
+    if repeats != 1:
+        description += f", each {repeats} times per epoch"
+    if config.document_variants > 1:
+        description += (
+            f", each exposure one of up to {config.document_variants} versions (its phrases reordered behind its "
+            "title)"
+        )
+    if config.plain_text_fraction:
+        description += f", {config.plain_text_fraction:g} of exposures as plain text"
+    if config.min_truncation_length != MIN_DOCUMENT_LENGTH:
+        description += f", documents truncated to at least {config.min_truncation_length} characters"
+    if not config.mixed_training:
+        return data, description
+    records = _birthplace_records(files.train)
+    names, answers = [r.name for r in records], [r.answer for r in records]
+    input_ids, labels, counts = encode_question_variants(
+        tokenizer, names, answers, config.question_variants, block_size, str(files.train)
+    )
+    if config.question_variants == 1:  # one phrasing: the plain examples, repeated
+        questions = FinetuningData(
+            input_ids.repeat(config.question_repeats, 1), labels.repeat(config.question_repeats, 1)
+        )
+    else:
+        questions = FinetuningData(input_ids, labels, VariantRows.consecutive(counts).repeat(config.question_repeats))
+    description += f", mixed with the {len(records)} questions of `{Path(files.train).name}`"
+    if config.question_repeats != 1:
+        description += f", each {config.question_repeats} times per epoch"
+    if config.question_variants > 1:
+        description += f", each exposure in one of {config.question_variants} phrasings"
+    return MixedData(data, questions), description
 
 
 def run_pretraining(
@@ -171,26 +232,7 @@ def run_pretraining(
     model = model or new_model(tokenizer, config.model, args.seed)
     block_size = model.config.block_size
     accelerator = accelerator or make_accelerator(args)
-    encoded, lengths = encode_documents(tokenizer, documents, block_size, str(files.corpus))
-    repeats = config.document_repeats  # every copy draws its own corruption
-    data = PretrainingData(
-        encoded.repeat(repeats, 1), lengths.repeat(repeats), block_size, config.min_truncation_length
-    )
-    description = f"span corruption on `{Path(files.corpus).name}` ({len(documents)} documents)"
-    if repeats != 1:
-        description += f", each {repeats} times per epoch"
-    if config.min_truncation_length != MIN_DOCUMENT_LENGTH:
-        description += f", documents truncated to at least {config.min_truncation_length} characters"
-    if config.mixed_training:
-        questions = _birthplace_examples(tokenizer, files.train, block_size)
-        description += f", mixed with the {questions.num_examples} questions of `{Path(files.train).name}`"
-        if config.question_repeats != 1:
-            description += f", each {config.question_repeats} times per epoch"
-            questions = FinetuningData(
-                questions.input_ids.repeat(config.question_repeats, 1),
-                questions.labels.repeat(config.question_repeats, 1),
-            )
-        data = MixedData(data, questions)
+    data, description = pretraining_data(config, files, tokenizer, block_size, documents)
     card = dict(
         data_description=description,
         dataset_id=dataset_id(files.corpus),
@@ -395,6 +437,7 @@ __all__ = [
     "command_line",
     "evaluate_birthplaces",
     "finetune",
+    "pretraining_data",
     "london_baseline",
     "pretrain",
     "run_finetuning",
