@@ -550,9 +550,9 @@ def test_push_to_hub_uploads_config_weights_tokenizer_and_card(corpus, tmp_path)
 def test_a_plain_progress_log_prints_the_last_line_once(capsys):
     """Loss readings reach the host after their steps (asynchronously on a GPU): those still arriving after the
     last step update the final line instead of each printing one."""
-    from hf_knowgpt.training.trainer import _progress_bar
+    from hf_knowgpt.training.progress import progress_bar
 
-    progress = _progress_bar(10, 0, disable=False)  # pytest's captured stderr is no terminal: plain lines
+    progress = progress_bar(10, 0, disable=False)  # pytest's captured stderr is no terminal: plain lines
     progress.update(10)
     for loss in ("0.3000", "0.2000", "0.1000"):
         progress.set_postfix(loss=loss)
