@@ -57,22 +57,17 @@ def predict_birthplaces(
     block_size = model.config.block_size
     prompts = encode_questions(tokenizer, questions, block_size, source=source, lines=lines)
     predictions = []
-    device = model.device
     was_training = model.training
     model.eval()
     suppressed = list(getattr(model.generation_config, "suppress_tokens", None) or [])
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
+        input_ids, attention_mask = _left_padded(chunk, model.device)
+        width = input_ids.shape[1]
         new_tokens = max(1, min(max_new_tokens, block_size - width))
-        input_ids = torch.full((len(chunk), width), PAD_ID, dtype=torch.long)
-        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, prompt in enumerate(chunk):
-            input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
         output = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             max_new_tokens=new_tokens,
             do_sample=False,
             eos_token_id=MASK_ID,
@@ -97,6 +92,50 @@ def predict_birthplaces(
     return predictions
 
 
+def _left_padded(prompts: list[list[int]], device):
+    """(input_ids, attention_mask) of id lists, left-padded to the longest, on `device`."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.as_tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+@torch.no_grad()
+def greedy_continuations(
+    model, tokenizer, prompts: list[str], max_new_tokens: int | list[int], batch_size: int = 512
+) -> list[str]:
+    """What the model writes after each prompt, greedily and without stopping at ⁇: `max_new_tokens`
+    characters (one number, or one per prompt), within the model's block. Prompts of one length are decoded
+    together, so no prompt's room in the block is cut by a longer one's."""
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    wanted = [max_new_tokens] * len(ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    by_length = {}
+    for index, prompt in enumerate(ids):
+        by_length.setdefault(len(prompt), []).append(index)
+    was_training = model.training
+    model.eval()
+    texts = [""] * len(ids)
+    for width, members in sorted(by_length.items()):
+        for start in range(0, len(members), batch_size):
+            rows = members[start : start + batch_size]
+            input_ids = torch.tensor([ids[i] for i in rows], device=model.device)
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max(1, min(max(wanted[i] for i in rows), model.config.block_size - width)),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD_ID,
+            )
+            for i, generated in zip(rows, output[:, width:].cpu()):
+                texts[i] = "".join(tokenizer.convert_ids_to_tokens(generated[: wanted[i]].tolist()))
+    model.train(was_training)
+    return texts
+
+
 def handout_accuracy(gold_places: list[str], predicted_places: list[str]) -> tuple[int, int]:
     """(correct, total) as the handouts' `evaluate_places` counts: exact string equality, in order."""
     if len(gold_places) != len(predicted_places):
@@ -113,6 +152,7 @@ __all__ = [
     "Prediction",
     "as_question",
     "format_accuracy",
+    "greedy_continuations",
     "handout_accuracy",
     "predict_birthplaces",
 ]

@@ -139,6 +139,10 @@ def test_knowledge_report_end_to_end_on_the_synthetic_corpus(tmp_path):
     corpus_text = files.corpus.read_text()
     unseen_names = [line.split("Where was ")[1].split(" born?")[0] for line in text.splitlines() if "made up" in line]
     assert unseen_names and not any(name in corpus_text for name in unseen_names)
+    probe = summary["recitation_probe"]
+    assert probe["window"] == 64 and 0 < probe["people"] <= 12 and "## Stored, and given back?" in text
+    assert sum(probe[k] for k in ("stored_and_answered", "stored_not_answered", "not_stored_answered",
+                                  "not_stored_not_answered")) == probe["people"]  # fmt: skip
 
 
 def test_breakdowns_bucket_people_by_offset_shared_place_and_length():
@@ -157,3 +161,51 @@ def test_breakdowns_bucket_people_by_offset_shared_place_and_length():
     }  # fmt: skip
     assert dict((label, n) for label, n, _ in shared.buckets if n) == {"0": 1, "1": 1, "6–20": 1}
     assert dict((label, n) for label, n, _ in length.buckets if n) == {"<75": 2, "100–124": 1}
+
+
+def test_recitation_probe_counts_stored_and_answered_people():
+    from hf_knowgpt.analysis.knowledge_metrics import recitation_probe, recitation_prompts
+
+    corpus = [
+        "Ann Lee. Ann Lee was born in Paris and lived in Rome.",
+        "Bob Ray. Bob Ray, a painter, was born in Lyon.",
+        "Cal Doe. Cal Doe is a writer.",  # the place is absent: not probed
+        "Dan Fox. Dan Fox was born in Oslo.",
+    ]
+    names, places = ["Ann Lee", "Bob Ray", "Cal Doe", "Dan Fox"], ["Paris", "Lyon", "Oslo", "Oslo"]
+    probes = recitation_prompts(names, places, corpus, window=50)
+    assert [(index, prompt) for index, prompt, _, _ in probes] == [(0, "Ann Lee"), (1, "Bob Ray"), (3, "Dan Fox")]
+    assert probes[0][2] == corpus[0][:50]
+    recitations = [
+        corpus[0][len("Ann Lee") :],  # recited exactly (beyond the window too)
+        ". Bob Ray was born in Lyon.",  # the place, not the words
+        ". Dan Fox was born in Bergen.",  # not stored
+    ]
+    probe = recitation_probe(probes, recitations, correct=[0, 1, 1, 1], window=50)
+    assert (probe.people, probe.stored, probe.recited_exactly) == (3, 2, 1)
+    assert probe.table == {(True, False): 1, (True, True): 1, (False, True): 1}
+
+
+def test_a_line_titled_with_the_name_is_the_persons_biography():
+    from hf_knowgpt.analysis.knowledge_metrics import person_lines
+
+    corpus = [
+        "Ann Lee Smith. Ann Lee Smith met Ann Lee in Paris.",
+        "Ann Lee. Ann Lee was born in Rome.",
+        "Bo was here.",
+    ]
+    assert person_lines(["Ann Lee", "Bo", "Cy"], corpus) == [corpus[1], corpus[2], None]
+
+
+def test_continuations_have_their_own_length_and_match_one_at_a_time(model_and_tokenizer):
+    """Each prompt gets the characters it asked for, whatever the other prompts' lengths (a long prompt must
+    not cut a short one's room in the block), and the batch gives what one prompt alone gives."""
+    from hf_knowgpt.qa import greedy_continuations
+
+    model, tokenizer = model_and_tokenizer
+    prompts = ["Wh", "Where was Alford Bradington", "Where", "Wh"]
+    wanted = [60, 20, 55, 5]
+    together = greedy_continuations(model, tokenizer, prompts, wanted, batch_size=3)
+    assert [len(text) for text in together] == [min(w, 64 - len(p)) for p, w in zip(prompts, wanted)]
+    for prompt, count, text in zip(prompts, wanted, together):
+        assert greedy_continuations(model, tokenizer, [prompt], count) == [text]

@@ -17,7 +17,7 @@ from hf_knowgpt.commands import train as TRAIN
 from hf_knowgpt.configuration_knowgpt import KnowGPTConfig
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.recipes import RECIPES
-from hf_knowgpt.training.run_config import MODEL_FIELDS, STAGES, resolve_run_config
+from hf_knowgpt.training.run_config import DATA_FIELDS, MODEL_FIELDS, STAGES, resolve_run_config
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 import reproduce  # noqa: E402
@@ -58,10 +58,7 @@ def resolve(script, argv):
 
 def flatten(config) -> dict:
     flat = {f"model.{name}": value for name, value in config.model.items()}
-    flat["data.min_truncation_length"] = config.min_truncation_length
-    flat["data.mixed_training"] = config.mixed_training
-    flat["data.document_repeats"] = config.document_repeats
-    flat["data.question_repeats"] = config.question_repeats
+    flat.update({f"data.{name}": getattr(config, name) for name in DATA_FIELDS})
     flat["finetune_from"] = config.finetune_from
     for stage in STAGES:
         args = getattr(config, stage)

@@ -120,13 +120,19 @@ def _bucketed(name, values, correct, edges, labels, missing_label=None):
 
 
 def person_lines(names, corpus_lines) -> list:
-    """Each person's biography: the first corpus line naming them (None when no line does)."""
-    found = {}
+    """Each person's biography: the line titled with their name (`Name. ...`, as wiki.txt's lines open),
+    else the first corpus line naming them (None when no line does)."""
+    titled, found = {}, {}
+    wanted = set(names)
+    for line in corpus_lines:
+        title = line.split(". ", 1)[0]
+        if title in wanted:
+            titled.setdefault(title, line)
     for line in corpus_lines:
         for name in names:
-            if name not in found and name in line:
+            if name not in found and name not in titled and name in line:
                 found[name] = line
-    return [found.get(name) for name in names]
+    return [titled.get(name, found.get(name)) for name in names]
 
 
 def knowledge_breakdowns(names, gold_places, correct, corpus_lines, train_places) -> list[Breakdown]:
@@ -155,6 +161,45 @@ def knowledge_breakdowns(names, gold_places, correct, corpus_lines, train_places
     ]  # fmt: skip
 
 
+@dataclass
+class RecitationProbe:
+    """Does the model store what it read, and does it give it back when asked? For each evaluated person whose
+    biography holds the gold place within the first `window` characters (what training reads): the model
+    recites the biography from its opening up to the person's name (`prompt`), and the place is *stored* when
+    the recitation holds it; *answered* is the question's exact match."""
+
+    window: int
+    people: int  # evaluated people probed (place within the window)
+    stored: int
+    recited_exactly: int  # the whole window recited character for character
+    table: dict  # (stored, answered) -> people
+
+
+def recitation_prompts(names, gold_places, corpus_lines, window: int = 112):
+    """(index, prompt, biography window, place) of the people whose place lies in their biography's first
+    `window` characters; the prompt is the biography up to the end of the first mention of the name (`Name`
+    of a `Name. ...` title)."""
+    probes = []
+    for index, (name, place, line) in enumerate(zip(names, gold_places, person_lines(names, corpus_lines))):
+        text = (line or "")[:window]
+        if place in text and name in text:
+            probes.append((index, text[: text.index(name) + len(name)], text, place))
+    return probes
+
+
+def recitation_probe(probes, recitations, correct, window: int = 112) -> RecitationProbe:
+    """`probes` from `recitation_prompts`, `recitations` the model's continuation of each prompt, `correct`
+    whether each evaluated question was answered right."""
+    table, stored_count, exact = Counter(), 0, 0
+    for (index, prompt, text, place), recitation in zip(probes, recitations):
+        recited = (prompt + recitation)[: len(text)]
+        stored = place in recited
+        stored_count += stored
+        exact += recited == text
+        table[(stored, bool(correct[index]))] += 1
+    return RecitationProbe(window, len(probes), stored_count, exact, dict(table))
+
+
 def place_distribution(places, top: int = 10):
     counts = Counter(places)
     total = sum(counts.values())
@@ -163,6 +208,9 @@ def place_distribution(places, top: int = 10):
 
 __all__ = [
     "Breakdown",
+    "RecitationProbe",
+    "recitation_probe",
+    "recitation_prompts",
     "knowledge_breakdowns",
     "person_lines",
     "ReliabilityBin",

@@ -15,13 +15,15 @@ import numpy as np
 from data_loaders import read_birthplaces
 from data_loaders.synthetic import REGIONS, make_names
 
-from ..qa import QUESTION_TEMPLATE, predict_birthplaces
+from ..qa import QUESTION_TEMPLATE, greedy_continuations, predict_birthplaces
 from .knowledge_metrics import (
     apply_threshold,
     area_under_accuracy_coverage,
     auroc,
     knowledge_breakdowns,
     place_distribution,
+    recitation_probe,
+    recitation_prompts,
     reliability,
     selective_accuracy,
     threshold_for_accuracy,
@@ -49,6 +51,7 @@ def analyze_knowledge(
     batch_size: int = 512,
     checkpoint_name: str = "",
     calibration_note: str = "",
+    recitation_window: int = 112,
 ) -> dict:
     import matplotlib
 
@@ -97,12 +100,17 @@ def analyze_knowledge(
         top = Counter(answers).most_common(3)
         origin_rows.append((style, len(answers), in_region, base_rate, top))
 
-    breakdowns = []
+    breakdowns, probe = [], None
     if corpus_path:
         corpus_lines = Path(corpus_path).read_text(encoding="utf-8").split("\n")
-        breakdowns = knowledge_breakdowns(
-            [r.name for r in evaluation], [r.answer for r in evaluation], eval_correct, corpus_lines, train_places
+        names, places = [r.name for r in evaluation], [r.answer for r in evaluation]
+        breakdowns = knowledge_breakdowns(names, places, eval_correct, corpus_lines, train_places)
+        window = min(recitation_window, model.config.block_size)
+        prompts = recitation_prompts(names, places, corpus_lines, window)
+        recitations = greedy_continuations(
+            model, tokenizer, [p[1] for p in prompts], [len(p[2]) - len(p[1]) for p in prompts], batch_size
         )
+        probe = recitation_probe(prompts, recitations, eval_correct, window)
 
     # -- plots -----------------------------------------------------------------------------------------------------
     if breakdowns:
@@ -184,6 +192,17 @@ def analyze_knowledge(
         "mean_score_unseen": float(unseen_scores.mean()),
         "breakdowns": {b.name: b.buckets for b in breakdowns},
     }
+    if probe is not None:
+        summary["recitation_probe"] = {
+            "window": probe.window,
+            "people": probe.people,
+            "stored": probe.stored,
+            "recited_exactly": probe.recited_exactly,
+            "stored_and_answered": probe.table.get((True, True), 0),
+            "stored_not_answered": probe.table.get((True, False), 0),
+            "not_stored_answered": probe.table.get((False, True), 0),
+            "not_stored_not_answered": probe.table.get((False, False), 0),
+        }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
     lines = [
@@ -231,6 +250,27 @@ def analyze_knowledge(
                 ],
             ]
             if breakdowns
+            else []
+        ),
+        *(
+            [
+                "## Stored, and given back?",
+                "",
+                f"For the {probe.people} evaluated people whose place lies in their biography's first {probe.window} "
+                "characters: the model recites the biography from its opening up to the name (greedy); the place "
+                "is *stored* when the recitation holds it. Stored and not answered is knowledge the model has and "
+                "does not give back when asked.",
+                "",
+                f"Recited exactly: {probe.recited_exactly} of {probe.people}; place stored: {probe.stored} of "
+                f"{probe.people}.",
+                "",
+                "| | answered right | answered wrong |",
+                "|---|---|---|",
+                f"| place stored | {probe.table.get((True, True), 0)} | {probe.table.get((True, False), 0)} |",
+                f"| place not stored | {probe.table.get((False, True), 0)} | {probe.table.get((False, False), 0)} |",
+                "",
+            ]
+            if probe is not None
             else []
         ),
         "## Reliability",
