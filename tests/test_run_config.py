@@ -12,7 +12,7 @@ from conftest import HAS_DATA, REPO_ROOT, load_script, write_cs224n_named_synthe
 
 from hf_knowgpt.configuration_knowgpt import KnowGPTConfig
 from hf_knowgpt.recipes import RECIPES
-from hf_knowgpt.run_config import MODEL_FIELDS, STAGES, resolve_run_config
+from hf_knowgpt.run_config import DATA_FIELDS, MODEL_FIELDS, STAGES, resolve_run_config
 from hf_knowgpt.training_args import TrainingArguments
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -56,10 +56,7 @@ def resolve(script, argv):
 
 def flatten(config) -> dict:
     flat = {f"model.{name}": value for name, value in config.model.items()}
-    flat["data.min_truncation_length"] = config.min_truncation_length
-    flat["data.mixed_training"] = config.mixed_training
-    flat["data.document_repeats"] = config.document_repeats
-    flat["data.question_repeats"] = config.question_repeats
+    flat.update({f"data.{name}": getattr(config, name) for name in DATA_FIELDS})
     flat["finetune_from"] = config.finetune_from
     for stage in STAGES:
         args = getattr(config, stage)
@@ -161,6 +158,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--resid_pdrop", "0.2"], {"model.resid_pdrop": 0.2}),
     ("handout", ["--attn_pdrop", "0"], {"model.attn_pdrop": 0.0}),
     ("handout", ["--attention_kernel_dtype", "bfloat16"], {"model.attention_kernel_dtype": "bfloat16"}),
+    ("handout", ["--recitation_length", "20"], {"model.recitation_length": 20}),
     ("handout", ["--max_epochs", "3"], {"S.max_epochs": 3}),
     ("handout", ["--num_train_epochs", "3"], {"S.max_epochs": 3}),
     ("handout", ["--batch_size", "32"], {"S.batch_size": 32}),
@@ -199,6 +197,7 @@ PRETRAIN_ONLY_FLAGS = [
     ("knowledge", ["--document_variants", "4"], {"data.document_variants": 4}),
     ("knowledge", ["--plain_text_fraction", "0.25"], {"data.plain_text_fraction": 0.25}),
     ("knowledge", ["--question_variants", "3"], {"data.question_variants": 3}),
+    ("knowledge", ["--max_truncation_length", "112"], {"data.max_truncation_length": 112}),
 ]
 
 
@@ -380,6 +379,8 @@ def test_resolution_refuses_unknown_settings():
         (["--document_variants", "0"], "--document_variants: must be a positive integer"),
         (["--question_variants", "9"], "--question_variants: there are 8 phrasings"),
         (["--plain_text_fraction", "1.5"], "--plain_text_fraction: must lie between 0 and 1"),
+        (["--min_truncation_length", "100", "--max_truncation_length", "64"], "100 exceeds max_truncation_length 64"),
+        (["--max_truncation_length", "200"], "max_truncation_length must lie in 4..112"),
     ],
 )
 def test_augmentation_settings_out_of_range_are_refused(flags, message, data, tmp_path):
