@@ -26,6 +26,7 @@ _EXPORTS = {
         "CS224N_FILE_NAMES",
         "DataFiles",
         "parse_birthplaces",
+        "person_documents",
         "read_birthplaces",
         "read_corpus",
         "split_documents",

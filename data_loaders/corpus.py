@@ -106,6 +106,22 @@ def read_birthplaces(path) -> list[BirthplaceRecord]:
     return parse_birthplaces(_read_text(path), source=str(path))
 
 
+def person_documents(names, corpus_lines) -> list:
+    """Each person's biography: the line titled with their name (`Name. ...`, as wiki.txt's lines open),
+    else the first corpus line naming them (None when no line does)."""
+    titled, found = {}, {}
+    wanted = set(names)
+    for line in corpus_lines:
+        title = line.split(". ", 1)[0]
+        if title in wanted:
+            titled.setdefault(title, line)
+    for line in corpus_lines:
+        for name in names:
+            if name not in found and name not in titled and name in line:
+                found[name] = line
+    return [titled.get(name, found.get(name)) for name in names]
+
+
 # The CS224N files by role, as `--data_dir` finds them.
 CS224N_FILE_NAMES = {
     "corpus": "wiki.txt",
@@ -165,6 +181,7 @@ __all__ = [
     "CS224N_FILE_NAMES",
     "DataFiles",
     "parse_birthplaces",
+    "person_documents",
     "read_birthplaces",
     "read_corpus",
     "split_documents",

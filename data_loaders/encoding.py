@@ -51,46 +51,64 @@ def _first_lines(source: str, first_item: dict) -> dict:
     return places
 
 
-def encode_documents(tokenizer, documents: list[str], block_size: int, source: str = "corpus"):
-    """Documents as the (N, ⌊7B/8⌋) id matrix and lengths that `span_corrupt` reads."""
-    return pack_documents(encode_texts(tokenizer, documents, source), block_size)
+def encode_documents(tokenizer, documents: list[str], block_size: int, source: str = "corpus", width=None):
+    """Documents as the (N, width) id matrix and lengths that `span_corrupt` reads (width ⌊7B/8⌋ unless
+    given: how much of a document is ever read)."""
+    return pack_documents(encode_texts(tokenizer, documents, source), block_size, width)
 
 
 def encode_document_variants(
-    tokenizer, documents: list[str], block_size: int, count: int, seed: int = 0, source: str = "corpus"
+    tokenizer, documents: list[str], block_size: int, count: int, seed: int = 0, source: str = "corpus", width=None
 ):
     """Every document's variants (`augmentation.document_variants`: the original first, then reorderings of
     its phrases) as one id matrix, with the number of variants of each document: (ids, lengths, counts).
     Variants are drawn before truncation, so a reordering can bring a document's later phrases into view."""
     variants = all_document_variants(documents, count, seed)
     flat = [text for texts in variants for text in texts]
-    ids, lengths = pack_documents(encode_texts(tokenizer, flat, source), block_size)
+    ids, lengths = pack_documents(encode_texts(tokenizer, flat, source), block_size, width)
     return ids, lengths, torch.tensor([len(texts) for texts in variants])
 
 
-def encode_question_variants(tokenizer, names, answers, count: int, block_size: int, source: str = "questions"):
+def encode_question_variants(
+    tokenizer, names, answers, count: int, block_size: int, source: str = "questions", recitations=None
+):
     """`encode_birthplace_examples` over `count` phrasings of each person's question (`augmentation.
     question_variants`, the evaluation's form first), one after another: (input_ids, labels, counts)."""
     questions = [question for name in names for question in question_variants(name, count)]
-    repeated_answers = [answer for answer in answers for _ in range(count)]
-    input_ids, labels = encode_birthplace_examples(tokenizer, questions, repeated_answers, block_size, source)
+
+    def repeated(values):
+        return None if values is None else [value for value in values for _ in range(count)]
+
+    input_ids, labels = encode_birthplace_examples(
+        tokenizer, questions, repeated(answers), block_size, source, repeated(recitations)
+    )
     return input_ids, labels, torch.full((len(names),), count)
 
 
-def encode_birthplace_examples(tokenizer, questions, answers, block_size: int, source: str = "questions"):
-    """(input_ids, labels), each (N, block_size): `question⁇answer⁇□…`, labels -100 over the question and padding."""
+def encode_birthplace_examples(
+    tokenizer, questions, answers, block_size: int, source: str = "questions", recitations=None
+):
+    """(input_ids, labels), each (N, block_size): `question⁇answer⁇□…`, labels -100 over the question and
+    padding; with `recitations` (one text per question), `question⁇recitation⁇answer⁇□…`, the recitation
+    trained like the answer (the model recites what it read about the person, then answers)."""
     mask_char = tokenizer.convert_ids_to_tokens(MASK_ID)
-    texts = [question + mask_char + answer + mask_char for question, answer in zip(questions, answers)]
+    recited = [""] * len(questions) if recitations is None else [text + mask_char for text in recitations]
+    texts = [
+        question + mask_char + recitation + answer + mask_char
+        for question, recitation, answer in zip(questions, recited, answers)
+    ]
     ids = encode_texts(tokenizer, texts, source)
     question_lengths = [len(q) for q in encode_texts(tokenizer, list(questions), source)] if ids else []
     input_ids = torch.full((len(ids), block_size), PAD_ID, dtype=torch.long)
     labels = torch.full((len(ids), block_size), -100, dtype=torch.long)
     for row, (example, question_length) in enumerate(zip(ids, question_lengths)):
         if len(example) > block_size:
+            what = "its answer" if recitations is None else "its recitation and answer"
             raise InputError(
                 source,
-                f"{questions[row]!r} with its answer takes {len(example)} characters, more than block_size={block_size}",
-                "shorten it, or train a model with a larger --block_size",
+                f"{questions[row]!r} with {what} takes {len(example)} characters, more than block_size={block_size}",
+                "shorten it, or train a model with a larger --block_size"
+                + ("" if recitations is None else " or a smaller --recitation_length"),
             )
         input_ids[row, : len(example)] = torch.as_tensor(example)
         labels[row, question_length : len(example)] = input_ids[row, question_length : len(example)]

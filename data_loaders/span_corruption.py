@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .truncation import MIN_DOCUMENT_LENGTH, check_min_truncation_length, max_truncation_length
+from .truncation import (
+    MIN_DOCUMENT_LENGTH,
+    check_min_truncation_length,
+    check_truncation_lengths,
+    max_truncation_length,
+)
 
 PAD_ID = 0  # "□" in every KnowGPT vocabulary
 MASK_ID = 1  # "⁇"
@@ -42,9 +47,12 @@ class CorruptedBatch:
         return self.input_ids[:, :-1], self.input_ids[:, 1:]
 
 
-def pack_documents(token_ids: list[list[int]], block_size: int) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Right-pad tokenized documents into an (N, ⌊7B/8⌋) matrix: no more of a document is ever read."""
-    width = max_truncation_length(block_size)
+def pack_documents(
+    token_ids: list[list[int]], block_size: int, width: int | None = None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Right-pad tokenized documents into an (N, width) matrix, width ⌊7B/8⌋ unless given: no more of a
+    document is ever read."""
+    width = max_truncation_length(block_size) if width is None else width
     documents = torch.full((len(token_ids), width), PAD_ID, dtype=torch.long)
     lengths = torch.zeros(len(token_ids), dtype=torch.long)
     for row, ids in enumerate(token_ids):
@@ -69,11 +77,12 @@ def corruption_plan(
     block_size: int,
     min_truncation_length: int = MIN_DOCUMENT_LENGTH,
     plain: torch.Tensor | None = None,
+    longest: int | None = None,
 ):
     """(truncated, masked, prefix) lengths per document; the example then holds truncated + 2 characters.
-    Documents where `plain` is true keep their text whole: nothing masked, the prefix is all of it."""
-    max_length = max_truncation_length(block_size)
-    shortest = check_min_truncation_length(min_truncation_length, block_size)
+    Documents where `plain` is true keep their text whole: nothing masked, the prefix is all of it. The
+    truncation is drawn from min_truncation_length..`longest` (None: ⌊7B/8⌋)."""
+    shortest, max_length = check_truncation_lengths(min_truncation_length, longest, block_size)
     lengths = lengths.to(device=uniforms.device, dtype=torch.long)
     drawn = shortest + (uniforms[:, 0] * (max_length - shortest + 1)).long()
     truncated = torch.minimum(lengths, drawn.clamp(max=max_length))
@@ -96,11 +105,12 @@ def span_corrupt(
     uniforms: torch.Tensor | None = None,
     min_truncation_length: int = MIN_DOCUMENT_LENGTH,
     plain: torch.Tensor | None = None,
+    longest: int | None = None,
 ) -> CorruptedBatch:
     """Corrupt each row of `documents` (N, W ≥ ⌊7B/8⌋ or the longest length) into one training string.
 
     The randomness is `uniforms` when given (see `draw_uniforms`), else drawn from `generator`; rows where
-    `plain` (N,) is true are kept whole (`text ⁇ ⁇`).
+    `plain` (N,) is true are kept whole (`text ⁇ ⁇`); `longest` caps the truncation below ⌊7B/8⌋.
     """
     n_docs, width = documents.shape
     device = documents.device
@@ -109,7 +119,7 @@ def span_corrupt(
     if uniforms is None:
         uniforms = draw_uniforms(n_docs, generator, device)
     truncated, masked, prefix = corruption_plan(
-        lengths, uniforms.to(device, non_blocking=True), block_size, min_truncation_length, plain
+        lengths, uniforms.to(device, non_blocking=True), block_size, min_truncation_length, plain, longest
     )
     suffix = truncated - prefix - masked
 
@@ -136,6 +146,7 @@ __all__ = [
     "MIN_DOCUMENT_LENGTH",
     "PAD_ID",
     "check_min_truncation_length",
+    "check_truncation_lengths",
     "corruption_plan",
     "draw_uniforms",
     "max_truncation_length",

@@ -5,8 +5,9 @@ born in a real place of a region that usually (not always) matches the style of 
 sentence about each in varied templates that put the birthplace in different positions, sometimes next
 to a second place that is not the birthplace, and for about one person in twenty not at all (as in
 wiki.txt, where 4.2% of dev lines lack the answer). Files mirror the CS224N ones: a corpus with one line
-per person (train people, then dev, then test, as wiki.txt is aligned), and train/dev/test TSVs over
-disjoint people; the test TSV holds questions only.
+per person, titled with the name as wiki.txt's lines are (`Name. sentence`; train people, then dev, then
+test, as wiki.txt is aligned), and train/dev/test TSVs over disjoint people; the test TSV holds questions
+only.
 """
 
 import os
@@ -16,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 DEFAULT_NUM_PEOPLE = 300
 
 REGIONS = {
@@ -178,6 +179,11 @@ class SyntheticPerson:
     place: str
     sentence: str
 
+    @property
+    def document(self) -> str:
+        """The person's corpus line: the sentence under a title of the name, as wiki.txt writes them."""
+        return f"{self.name}. {self.sentence}"
+
 
 def _name(rng: random.Random, style: str) -> str:
     spec = REGIONS[style]
@@ -261,7 +267,7 @@ def write_synthetic_corpus(directory, num_people: int = DEFAULT_NUM_PEOPLE, seed
         directory / "dev.tsv",
         directory / "test_inputs.tsv",
     )
-    files.corpus.write_text("".join(p.sentence + "\n" for p in train + dev + test), encoding="utf-8")
+    files.corpus.write_text("".join(p.document + "\n" for p in train + dev + test), encoding="utf-8")
     for path, group in ((files.train, train), (files.dev, dev)):
         path.write_text("".join(f"Where was {p.name} born?\t{p.place}\n" for p in group), encoding="utf-8")
     files.test.write_text("".join(f"Where was {p.name} born?\n" for p in test), encoding="utf-8")

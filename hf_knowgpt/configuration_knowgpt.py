@@ -26,6 +26,10 @@ class KnowGPTConfig(PretrainedConfig):
             half-precision model): "float32" (default), "float16", "bfloat16" or None (the inputs' own).
             With the kernel in bf16 or fp16 the handouts' recipe diverges in bf16 at its learning rate of
             6e-3; in fp32 it trains like fp32 (benchmarks/diagnostics/precision_study.py). Nothing changes in fp32.
+        recitation_length (`int`): 0 (default): a question is answered at once, `question⁇answer⁇`. Above 0
+            the model first recites what it read about the person, up to this many characters of their
+            document, and answers after it: `question⁇recitation⁇answer⁇` (the birthplace-qa pipeline and
+            evaluation return the answer, and the recitation beside it).
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
         eos_token_id (`int`): "⁇" (1), which closes every answer (`question⁇answer⁇`), so generation stops
             after the answer; the generation config takes it from here.
@@ -54,6 +58,7 @@ class KnowGPTConfig(PretrainedConfig):
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
     attention_kernel_dtype: str | None = "float32"
+    recitation_length: int = 0
     use_cache: bool = True
     pad_token_id: int | None = 0
     mask_token_id: int | None = 1
@@ -97,6 +102,15 @@ class KnowGPTConfig(PretrainedConfig):
             raise ValueError(
                 f"KnowGPTConfig.attention_kernel_dtype must be one of {list(ATTENTION_KERNEL_DTYPES)}, "
                 f"got {self.attention_kernel_dtype!r}"
+            )
+        if (
+            isinstance(self.recitation_length, bool)
+            or not isinstance(self.recitation_length, int)
+            or not 0 <= self.recitation_length < self.block_size
+        ):
+            raise ValueError(
+                f"KnowGPTConfig.recitation_length must be an integer in 0..block_size-1={self.block_size - 1}, "
+                f"got {self.recitation_length!r}"
             )
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
             raise ValueError(f"KnowGPTConfig.rope_theta must be a number > 1, got {self.rope_theta!r}")

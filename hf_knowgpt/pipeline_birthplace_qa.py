@@ -14,6 +14,7 @@ class BirthplaceQAPipeline(Pipeline):
     have said. A question so long that the model's block left too little room for its answer (it ran out of
     positions before the closing ⁇) is withheld the same way with `truncated` True: the fragment is never
     given as an answer. Lists are answered in batches of `batch_size` (greedy decoding with the KV cache).
+    A model that recites before answering (`config.recitation_length`) also returns its `recitation`.
     """
 
     _load_processor = False
@@ -62,6 +63,8 @@ class BirthplaceQAPipeline(Pipeline):
             "abstained": False,
             "truncated": prediction.truncated,
         }
+        if prediction.recitation is not None:
+            result["recitation"] = prediction.recitation
         if prediction.truncated or (threshold is not None and prediction.score < threshold):
             result.update(answer=None, abstained=True, best_guess=prediction.answer)
         return result

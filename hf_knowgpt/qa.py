@@ -2,7 +2,9 @@
 
 A prediction is what the model writes after `question⁇`, up to the next ⁇ (at most 32 characters), as
 the handouts' `evaluate` computes it. Its score is the model's probability of the whole answer including
-the closing ⁇: the product of the greedy characters' softmax probabilities.
+the closing ⁇: the product of the greedy characters' softmax probabilities. A model that recites before
+answering (`config.recitation_length`) writes `recitation⁇answer⁇`: the answer is what follows its
+recitation, scored given it.
 """
 
 import math
@@ -36,6 +38,7 @@ class Prediction:
     # the question left fewer than max_new_tokens positions of the block and the answer ran out of them
     # unclosed: what came out is a fragment, not an answer
     truncated: bool = False
+    recitation: str | None = None  # what a reciting model wrote about the person before its answer
 
     @property
     def score(self) -> float:
@@ -56,6 +59,7 @@ def predict_birthplaces(
     `source` and `lines` (the questions' file and line numbers) make errors and warnings name them."""
     block_size = model.config.block_size
     prompts = encode_questions(tokenizer, questions, block_size, source=source, lines=lines)
+    recitation_length = getattr(model.config, "recitation_length", 0)
     predictions = []
     was_training = model.training
     model.eval()
@@ -64,32 +68,51 @@ def predict_birthplaces(
         chunk = prompts[start : start + batch_size]
         input_ids, attention_mask = _left_padded(chunk, model.device)
         width = input_ids.shape[1]
-        new_tokens = max(1, min(max_new_tokens, block_size - width))
+        wanted = max_new_tokens + (recitation_length + 1 if recitation_length else 0)
+        new_tokens = max(1, min(wanted, block_size - width))
+        stopping = dict(eos_token_id=MASK_ID)
+        if recitation_length:  # ⁇ closes the recitation first: stop at the second one, not at eos
+            stopping = dict(eos_token_id=None, stopping_criteria=_after_marks(2, width))
         output = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=new_tokens,
             do_sample=False,
-            eos_token_id=MASK_ID,
             pad_token_id=PAD_ID,
             suppress_tokens=suppressed or None,
             output_logits=True,
             return_dict_in_generate=True,
+            **stopping,
         )
         generated = output.sequences[:, width:].cpu()
         log_probs = torch.stack(output.logits, dim=1).float().log_softmax(-1).cpu()
         token_log_probs = log_probs.gather(-1, generated[..., None])[..., 0]
         for row, question in enumerate(questions[start : start + batch_size]):
             ids = generated[row].tolist()
-            closed = MASK_ID in ids
-            end = ids.index(MASK_ID) if closed else len(ids)
-            answer = tokenizer.decode(ids[:end])
+            first, recitation = 0, None
+            if recitation_length:  # the answer starts after the recitation's ⁇ (or never, when none came)
+                first = ids.index(MASK_ID) + 1 if MASK_ID in ids else len(ids)
+                recitation = tokenizer.decode(ids[: max(first - 1, 0)])
+            closed = MASK_ID in ids[first:]
+            end = ids.index(MASK_ID, first) if closed else len(ids)
+            answer = tokenizer.decode(ids[first:end])
             scored = end + 1 if closed else end
-            truncated = not closed and new_tokens < max_new_tokens
-            log_probability = float(token_log_probs[row, :scored].sum())
-            predictions.append(Prediction(question, answer, log_probability, closed, truncated))
+            truncated = not closed and new_tokens < wanted
+            log_probability = float(token_log_probs[row, first:scored].sum())
+            predictions.append(Prediction(question, answer, log_probability, closed, truncated, recitation))
     model.train(was_training)
     return predictions
+
+
+def _after_marks(count: int, prompt_width: int):
+    """Stops each row once it has written `count` ⁇ after the prompt."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class AfterMarks(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return (input_ids[:, prompt_width:] == MASK_ID).sum(dim=1) >= count
+
+    return StoppingCriteriaList([AfterMarks()])
 
 
 def _left_padded(prompts: list[list[int]], device):

@@ -187,14 +187,14 @@ def test_recitation_probe_counts_stored_and_answered_people():
 
 
 def test_a_line_titled_with_the_name_is_the_persons_biography():
-    from hf_knowgpt.analysis.knowledge_metrics import person_lines
+    from data_loaders import person_documents
 
     corpus = [
         "Ann Lee Smith. Ann Lee Smith met Ann Lee in Paris.",
         "Ann Lee. Ann Lee was born in Rome.",
         "Bo was here.",
     ]
-    assert person_lines(["Ann Lee", "Bo", "Cy"], corpus) == [corpus[1], corpus[2], None]
+    assert person_documents(["Ann Lee", "Bo", "Cy"], corpus) == [corpus[1], corpus[2], None]
 
 
 def test_continuations_have_their_own_length_and_match_one_at_a_time(model_and_tokenizer):
@@ -209,3 +209,50 @@ def test_continuations_have_their_own_length_and_match_one_at_a_time(model_and_t
     assert [len(text) for text in together] == [min(w, 64 - len(p)) for p, w in zip(prompts, wanted)]
     for prompt, count, text in zip(prompts, wanted, together):
         assert greedy_continuations(model, tokenizer, [prompt], count) == [text]
+
+
+@torch.no_grad()
+def independent_recitation_and_answer(model, tokenizer, question, steps):
+    """Greedy decoding without the cache up to the second ⁇: (recitation ids, answer ids, answer probability
+    with its closing ⁇, given the recitation)."""
+    ids = tokenizer(question + "⁇")["input_ids"]
+    generated, probabilities = [], []
+    for _ in range(steps):
+        logits = model(torch.tensor([ids + generated]), use_cache=False).logits[0, -1]
+        distribution = torch.softmax(logits.double(), dim=-1)
+        token = int(distribution.argmax())
+        generated.append(token)
+        probabilities.append(float(distribution[token]))
+        if generated.count(1) == 2:
+            break
+    first = generated.index(1) + 1 if 1 in generated else len(generated)
+    end = generated.index(1, first) + 1 if 1 in generated[first:] else len(generated)
+    return generated[: max(first - 1, 0)], generated[first:end], math.prod(probabilities[first:end])
+
+
+def test_a_reciting_model_answers_after_its_recitation(model_and_tokenizer):
+    """recitation_length > 0: the model writes recitation⁇answer⁇; the answer is what follows the recitation,
+    scored given it, and the recitation comes back beside it (also from the pipeline)."""
+    model, tokenizer = model_and_tokenizer
+    torch.manual_seed(3)
+    reciting = KnowGPTForCausalLM(tiny_config(vocab_size=len(tokenizer), block_size=64, n_embd=32, n_head=4,
+                                              recitation_length=8)).eval()  # fmt: skip
+    with torch.no_grad():  # a closing ⁇ just likely enough that the three questions end in three ways
+        reciting.transformer.ln_f.bias.fill_(0.5)
+        reciting.lm_head.weight[1] += 0.015
+    questions = ["Where was Ada Lovelace born?", "Where was Alan Turing born?", "Where was Ada born?"]
+    predictions = predict_birthplaces(reciting, tokenizer, questions, batch_size=2, max_new_tokens=12)
+    for question, prediction in zip(questions, predictions):
+        recited, answer, probability = independent_recitation_and_answer(reciting, tokenizer, question, 8 + 1 + 12)
+        assert prediction.recitation == tokenizer.decode(recited)
+        closed = bool(answer) and answer[-1] == 1
+        assert prediction.closed == closed
+        assert prediction.answer == tokenizer.decode(answer[:-1] if closed else answer)
+        assert math.isclose(prediction.score, probability, rel_tol=1e-4)
+    # a recitation and a closed answer; a recitation and an answer still open; a recitation never closed
+    assert [(bool(p.recitation), p.closed) for p in predictions] == [(True, True), (True, False), (True, False)]
+    assert predictions[0].answer and predictions[2].answer == ""
+    qa = pipeline("birthplace-qa", model=reciting, tokenizer=tokenizer)
+    result = qa(questions[0])
+    assert result["recitation"] == predictions[0].recitation and result["answer"] == predictions[0].answer
+    assert "recitation" not in pipeline("birthplace-qa", model=model, tokenizer=tokenizer)(questions[0])

@@ -160,6 +160,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--resid_pdrop", "0.2"], {"model.resid_pdrop": 0.2}),
     ("handout", ["--attn_pdrop", "0"], {"model.attn_pdrop": 0.0}),
     ("handout", ["--attention_kernel_dtype", "bfloat16"], {"model.attention_kernel_dtype": "bfloat16"}),
+    ("handout", ["--recitation_length", "20"], {"model.recitation_length": 20}),
     ("handout", ["--max_epochs", "3"], {"S.max_epochs": 3}),
     ("handout", ["--num_train_epochs", "3"], {"S.max_epochs": 3}),
     ("handout", ["--batch_size", "32"], {"S.batch_size": 32}),
@@ -198,6 +199,7 @@ PRETRAIN_ONLY_FLAGS = [
     ("knowledge", ["--document_variants", "4"], {"data.document_variants": 4}),
     ("knowledge", ["--plain_text_fraction", "0.25"], {"data.plain_text_fraction": 0.25}),
     ("knowledge", ["--question_variants", "3"], {"data.question_variants": 3}),
+    ("knowledge", ["--max_truncation_length", "112"], {"data.max_truncation_length": 112}),
 ]
 
 
@@ -379,6 +381,8 @@ def test_resolution_refuses_unknown_settings():
         (["--document_variants", "0"], "--document_variants: must be a positive integer"),
         (["--question_variants", "9"], "--question_variants: there are 8 phrasings"),
         (["--plain_text_fraction", "1.5"], "--plain_text_fraction: must lie between 0 and 1"),
+        (["--min_truncation_length", "100", "--max_truncation_length", "64"], "100 exceeds max_truncation_length 64"),
+        (["--max_truncation_length", "200"], "max_truncation_length must lie in 4..112"),
     ],
 )
 def test_augmentation_settings_out_of_range_are_refused(flags, message, data, tmp_path):

@@ -306,6 +306,39 @@ def test_augmented_mixed_training_runs_and_is_described(corpus, tmp_path):
     )
 
 
+def test_a_reciting_model_trains_on_recitations_and_answers_after_them(corpus, tmp_path):
+    """recitation_length: the mixed-in questions read `question⁇recitation⁇answer⁇` (the person's titled
+    corpus line, cut to the length), documents are still read at most max_truncation_length characters, and
+    the one command scores the answers that follow the model's recitations."""
+    from data_loaders import read_corpus
+    from hf_knowgpt.training.run_config import resolve_run_config
+
+    settings = {"model.block_size": 128, "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32,
+                "model.recitation_length": 40, "data.max_truncation_length": 56}  # fmt: skip
+    config = resolve_run_config("knowledge", settings, output_dirs={"pretrain": tmp_path / "p"})
+    assert (config.min_truncation_length, config.longest_truncation) == (56, 56)
+    tokenizer = workflows.corpus_tokenizer(corpus.corpus)
+    documents = read_corpus(corpus.corpus)
+    data, description = workflows.pretraining_data(config, corpus, tokenizer, 128, documents)
+    assert "recitation of the first 40 characters" in description and "at most 56" in description
+    assert data.documents.documents.shape[1] == 56 and data.documents.static_length == 58
+    first = tokenizer.decode(data.questions.input_ids[0][data.questions.input_ids[0] != 0].tolist())
+    name = corpus.train.read_text().split("\t")[0][len("Where was ") : -len(" born?")]
+    place = corpus.train.read_text().split("\t")[1].split("\n")[0]
+    document = next(line for line in documents if line.startswith(name + ". "))
+    assert first == f"Where was {name} born?⁇{document[:40]}⁇{place}⁇"
+
+    result = run_script(
+        SCRIPTS / "train.py", "--recipe", "knowledge", "--pretrain_corpus_path", corpus.corpus,
+        "--train_corpus_path", corpus.train, "--eval_corpus_path", corpus.dev, "--pretrain_max_epochs", "2",
+        "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--recitation_length", "40",
+        "--max_truncation_length", "56", "--output_dir", tmp_path / "run",
+    )  # fmt: skip
+    assert "answers after reciting up to 40 characters" in result.stdout and "Correct: " in result.stdout
+    card = json.loads((tmp_path / "run" / "pretrained" / "config.json").read_text())
+    assert card["recitation_length"] == 40 and card["block_size"] == 128
+
+
 def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):
     _, whole = pretrain_in_process(corpus, tmp_path / "whole", log_every=1)
     _, start = pretrain_in_process(corpus, tmp_path / "start", log_every=1, stop_after_steps=5)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_loaders.corpus import person_documents
+
 
 def selective_accuracy(scores, correct):
     """Coverage (fraction answered, most confident first) and the accuracy among those answered."""
@@ -119,26 +121,10 @@ def _bucketed(name, values, correct, edges, labels, missing_label=None):
     return Breakdown(name, rows)
 
 
-def person_lines(names, corpus_lines) -> list:
-    """Each person's biography: the line titled with their name (`Name. ...`, as wiki.txt's lines open),
-    else the first corpus line naming them (None when no line does)."""
-    titled, found = {}, {}
-    wanted = set(names)
-    for line in corpus_lines:
-        title = line.split(". ", 1)[0]
-        if title in wanted:
-            titled.setdefault(title, line)
-    for line in corpus_lines:
-        for name in names:
-            if name not in found and name not in titled and name in line:
-                found[name] = line
-    return [titled.get(name, found.get(name)) for name in names]
-
-
 def knowledge_breakdowns(names, gold_places, correct, corpus_lines, train_places) -> list[Breakdown]:
     """Accuracy by where the gold place first appears in the person's biography (character offset; absent
     when it does not), by how many training people share that place, and by the biography's length."""
-    lines = person_lines(names, corpus_lines)
+    lines = person_documents(names, corpus_lines)
     offsets = [
         None if line is None or place not in line else line.index(place) for line, place in zip(lines, gold_places)
     ]
@@ -180,7 +166,7 @@ def recitation_prompts(names, gold_places, corpus_lines, window: int = 112):
     `window` characters; the prompt is the biography up to the end of the first mention of the name (`Name`
     of a `Name. ...` title)."""
     probes = []
-    for index, (name, place, line) in enumerate(zip(names, gold_places, person_lines(names, corpus_lines))):
+    for index, (name, place, line) in enumerate(zip(names, gold_places, person_documents(names, corpus_lines))):
         text = (line or "")[:window]
         if place in text and name in text:
             probes.append((index, text[: text.index(name) + len(name)], text, place))
@@ -212,7 +198,6 @@ __all__ = [
     "recitation_probe",
     "recitation_prompts",
     "knowledge_breakdowns",
-    "person_lines",
     "ReliabilityBin",
     "Threshold",
     "apply_threshold",

@@ -72,6 +72,10 @@ def add_model_arguments(parser: argparse.ArgumentParser):
         choices=[d for d in ATTENTION_KERNEL_DTYPES if d],
         help="precision of the attention kernel under bf16/fp16 autocast (float32)",
     )
+    _value(
+        group, "--recitation_length", "model.recitation_length", "answer after reciting up to this many characters "
+        "of the person's document: question⁇recitation⁇answer⁇ (0: answer at once)", type=int,
+    )  # fmt: skip
 
 
 def add_data_arguments(parser: argparse.ArgumentParser):
@@ -83,6 +87,10 @@ def add_data_arguments(parser: argparse.ArgumentParser):
         type=int,
         help="shortest document prefix a pretraining example reads (handout: 4; knowledge recipe: 112)",
     )
+    _value(
+        group, "--max_truncation_length", "data.max_truncation_length", "longest document prefix a pretraining "
+        "example reads (⌊7·block_size/8⌋)", type=int,
+    )  # fmt: skip
     group.add_argument(
         "--mixed_training",
         dest="data.mixed_training",

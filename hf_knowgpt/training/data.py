@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from data_loaders.span_corruption import corruption_plan, draw_uniforms, span_corrupt
-from data_loaders.truncation import MIN_DOCUMENT_LENGTH, check_min_truncation_length, max_truncation_length
+from data_loaders.truncation import MIN_DOCUMENT_LENGTH, check_truncation_lengths
 
 
 @dataclass
@@ -70,7 +70,7 @@ class PretrainingData:
 
     With `variants`, `documents` holds every variant of every document and each exposure reads one
     (`VariantRows`); with `plain_text_fraction`, that share of exposures reads its document whole, without
-    a masked span."""
+    a masked span; `max_truncation_length` (None: ⌊7B/8⌋) is the most of a document an example reads."""
 
     def __init__(
         self,
@@ -80,9 +80,12 @@ class PretrainingData:
         min_truncation_length: int = MIN_DOCUMENT_LENGTH,
         variants: VariantRows | None = None,
         plain_text_fraction: float = 0.0,
+        max_truncation_length: int | None = None,
     ):
         self.documents, self.lengths, self.block_size = documents, lengths, block_size
-        self.min_truncation_length = check_min_truncation_length(min_truncation_length, block_size)
+        self.min_truncation_length, self.max_truncation_length = check_truncation_lengths(
+            min_truncation_length, max_truncation_length, block_size
+        )
         self.host_lengths = lengths.cpu()
         if not 0.0 <= plain_text_fraction <= 1.0:
             raise ValueError(f"plain_text_fraction must lie in [0, 1], got {plain_text_fraction}")
@@ -96,8 +99,9 @@ class PretrainingData:
 
     @property
     def static_length(self) -> int:
-        """The longest example there can be: ⌊7B/8⌋ + 2 characters (the rest of the block is always padding)."""
-        return min(self.block_size, max_truncation_length(self.block_size) + 2)
+        """The longest example there can be: the longest truncation + 2 characters (the rest of the block is
+        always padding)."""
+        return min(self.block_size, self.max_truncation_length + 2)
 
     def to(self, device):
         self.documents, self.lengths = self.documents.to(device), self.lengths.to(device)
@@ -112,7 +116,12 @@ class PretrainingData:
         """Host: the length of each example that `uniforms` make of the documents `indices`."""
         rows = _example_rows(self.variants, indices, uniforms, host=True)
         truncated, _, _ = corruption_plan(
-            self.host_lengths[rows], uniforms, self.block_size, self.min_truncation_length, self._plain(uniforms)
+            self.host_lengths[rows],
+            uniforms,
+            self.block_size,
+            self.min_truncation_length,
+            self._plain(uniforms),
+            self.max_truncation_length,
         )
         return truncated + 2
 
@@ -137,6 +146,7 @@ class PretrainingData:
             uniforms=uniforms,
             min_truncation_length=self.min_truncation_length,
             plain=self._plain(uniforms),
+            longest=self.max_truncation_length,
         )
 
     def device_batch(self, indices: torch.Tensor, valid: torch.Tensor, seq_len: int, uniforms=None):

@@ -31,6 +31,8 @@ class Recipe:
     mixed_training: bool = False  # question–answer examples of the training people join pretraining
     # span corruption's shortest truncation (handout: 4); capped at ⌊7B/8⌋ for a smaller block_size
     min_truncation_length: int = MIN_DOCUMENT_LENGTH
+    # the most of a document an example reads; None: ⌊7B/8⌋ (a larger block then holds longer questions)
+    max_truncation_length: int | None = None
     # knowledge augmentation by repetition: each document this many times per epoch (each time corrupted
     # afresh), each mixed-in question–answer example this many times
     document_repeats: int = 1

@@ -5,7 +5,7 @@ What the user gave arrives as a dict of qualified names, only for flags actually
 argparse defaults are `SUPPRESS`):
 
 - `model.<field>`: a `KnowGPTConfig` field (`model.attention_type`, `model.n_embd`, ...);
-- `data.<field>`: `data.min_truncation_length`, `data.mixed_training`, `data.document_repeats`,
+- `data.<field>`: `data.min_truncation_length`, `data.max_truncation_length`, `data.mixed_training`, `data.document_repeats`,
   `data.question_repeats`, `data.document_variants`, `data.plain_text_fraction`, `data.question_variants`;
 - `pretrain.<field>` / `finetune.<field>`: a `TrainingArguments` field of that stage only;
 - `run.<field>`: a `TrainingArguments` field of every stage (seed, training path, logging, ...).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from data_loaders.augmentation import QUESTION_PHRASINGS
 from data_loaders.corpus import DataFiles, read_corpus
-from data_loaders.truncation import max_truncation_length
+from data_loaders.truncation import check_truncation_lengths, max_truncation_length
 
 from ..utils.errors import InputError
 from .arguments import TrainingArguments
@@ -37,9 +37,11 @@ MODEL_FIELDS = (
     "resid_pdrop",
     "attn_pdrop",
     "attention_kernel_dtype",
+    "recitation_length",
 )
 DATA_FIELDS = (
     "min_truncation_length",
+    "max_truncation_length",
     "mixed_training",
     "document_repeats",
     "question_repeats",
@@ -61,6 +63,7 @@ class RunConfig:
     model: dict
     min_truncation_length: int
     mixed_training: bool
+    max_truncation_length: int | None = None  # None: ⌊7·block_size/8⌋
     document_repeats: int = 1  # each pretraining document this many times per epoch, corrupted afresh each time
     question_repeats: int = 1  # each mixed-in question–answer example this many times per epoch
     document_variants: int = 1  # versions of each document (phrases reordered), one drawn per exposure
@@ -74,6 +77,11 @@ class RunConfig:
     @property
     def stages(self) -> list[str]:
         return [stage for stage in STAGES if getattr(self, stage) is not None]
+
+    @property
+    def longest_truncation(self) -> int:
+        longest = self.max_truncation_length
+        return max_truncation_length(self.model["block_size"]) if longest is None else longest
 
     def to_dict(self) -> dict:
         record = asdict(self)
@@ -92,8 +100,13 @@ class RunConfig:
             f"{model['n_embd']}, block {model['block_size']}, dropout {model['embd_pdrop']}/{model['resid_pdrop']}/"
             f"{model['attn_pdrop']}"
             + (f", bottleneck {model['bottleneck_dim']}" if model["attention_type"] == "perceiver" else "")
-            + (f", rope_theta {model['rope_theta']:g}" if model["attention_type"] == "rope" else ""),
-            f"  data      shortest truncation {self.min_truncation_length}, "
+            + (f", rope_theta {model['rope_theta']:g}" if model["attention_type"] == "rope" else "")
+            + (
+                f", answers after reciting up to {model['recitation_length']} characters"
+                if model.get("recitation_length")
+                else ""
+            ),
+            f"  data      truncation {self.min_truncation_length}..{self.longest_truncation}, "
             f"mixed training {'on' if self.mixed_training else 'off'}"
             + (f", documents ×{self.document_repeats}" if self.document_repeats != 1 else "")
             + (f", {self.document_variants} document variants" if self.document_variants != 1 else "")
@@ -245,14 +258,22 @@ def resolve_run_config(
     model = {**model_defaults(), "attention_type": recipe.attention_type, **recipe.model}
     model.update({name.split(".", 1)[1]: value for name, value in given.items() if name.startswith("model.")})
     block_size = model["block_size"]
+    longest = given.get("data.max_truncation_length", recipe.max_truncation_length)
     if "data.min_truncation_length" in given:
         min_truncation_length = given["data.min_truncation_length"]
-    else:  # the recipe's, within what a smaller block_size can hold
-        min_truncation_length = min(recipe.min_truncation_length, max_truncation_length(block_size))
+    else:  # the recipe's, within what a smaller block_size (or a lower longest truncation) can hold
+        min_truncation_length = min(
+            recipe.min_truncation_length, max_truncation_length(block_size) if longest is None else longest
+        )
+    try:
+        check_truncation_lengths(min_truncation_length, longest, block_size)
+    except ValueError as error:
+        raise InputError("--min_truncation_length/--max_truncation_length", str(error)) from None
     config = RunConfig(
         recipe=recipe.name,
         model=model,
         min_truncation_length=min_truncation_length,
+        max_truncation_length=longest,
         mixed_training=given.get("data.mixed_training", recipe.mixed_training),
         **{
             name: given.get(f"data.{name}", getattr(recipe, name))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from accelerate.utils import set_seed
 
-from data_loaders.corpus import DataFiles, read_birthplaces, read_corpus
+from data_loaders.corpus import DataFiles, person_documents, read_birthplaces, read_corpus
 from data_loaders.encoding import (
     encode_birthplace_examples,
     encode_document_variants,
@@ -164,10 +164,29 @@ def _birthplace_records(path):
     return records
 
 
-def _birthplace_examples(tokenizer, path, block_size) -> FinetuningData:
+def recitations(records, documents, length: int) -> list[str] | None:
+    """What a model with `recitation_length` recites before each answer: the first `length` characters of the
+    person's document (titled with their name, else the first naming them; nothing when none does)."""
+    if not length:
+        return None
+    return [(document or "")[:length] for document in person_documents([r.name for r in records], documents)]
+
+
+def _birthplace_examples(tokenizer, path, model_config, corpus_path=None) -> FinetuningData:
     records = _birthplace_records(path)
     questions, answers = [r.question for r in records], [r.answer for r in records]
-    return FinetuningData(*encode_birthplace_examples(tokenizer, questions, answers, block_size, str(path)))
+    recited = None
+    if model_config.recitation_length:
+        if corpus_path is None:
+            raise InputError(
+                path,
+                f"the model recites before answering (recitation_length {model_config.recitation_length}), and no "
+                "corpus holds what it recites",
+                "pass --pretrain_corpus_path",
+            )
+        recited = recitations(records, read_corpus(corpus_path), model_config.recitation_length)
+    block_size = model_config.block_size
+    return FinetuningData(*encode_birthplace_examples(tokenizer, questions, answers, block_size, str(path), recited))
 
 
 def pretraining_data(config: RunConfig, files: DataFiles, tokenizer, block_size: int, documents: list[str]):
@@ -177,16 +196,23 @@ def pretraining_data(config: RunConfig, files: DataFiles, tokenizer, block_size:
     `question_variants` phrasings). Variation is drawn afresh at every exposure (`VariantRows`)."""
     source = str(files.corpus)
     repeats, seed = config.document_repeats, config.pretrain.seed
+    width = config.longest_truncation
     if config.document_variants > 1:
         ids, lengths, counts = encode_document_variants(
-            tokenizer, documents, block_size, config.document_variants, seed, source
+            tokenizer, documents, block_size, config.document_variants, seed, source, width
         )
         variants = VariantRows.consecutive(counts).repeat(repeats)
     else:  # every copy draws its own corruption
-        ids, lengths = encode_documents(tokenizer, documents, block_size, source)
+        ids, lengths = encode_documents(tokenizer, documents, block_size, source, width)
         ids, lengths, variants = ids.repeat(repeats, 1), lengths.repeat(repeats), None
     data = PretrainingData(
-        ids, lengths, block_size, config.min_truncation_length, variants, config.plain_text_fraction
+        ids,
+        lengths,
+        block_size,
+        config.min_truncation_length,
+        variants,
+        config.plain_text_fraction,
+        config.max_truncation_length,
     )
     description = f"span corruption on `{Path(files.corpus).name}` ({len(documents)} documents)"
     if repeats != 1:
@@ -200,12 +226,15 @@ def pretraining_data(config: RunConfig, files: DataFiles, tokenizer, block_size:
         description += f", {config.plain_text_fraction:g} of exposures as plain text"
     if config.min_truncation_length != MIN_DOCUMENT_LENGTH:
         description += f", documents truncated to at least {config.min_truncation_length} characters"
+    if config.max_truncation_length is not None:
+        description += f", at most {config.max_truncation_length}"
     if not config.mixed_training:
         return data, description
     records = _birthplace_records(files.train)
     names, answers = [r.name for r in records], [r.answer for r in records]
+    recited = recitations(records, documents, config.model["recitation_length"])
     input_ids, labels, counts = encode_question_variants(
-        tokenizer, names, answers, config.question_variants, block_size, str(files.train)
+        tokenizer, names, answers, config.question_variants, block_size, str(files.train), recited
     )
     if config.question_variants == 1:  # one phrasing: the plain examples, repeated
         questions = FinetuningData(
@@ -218,6 +247,11 @@ def pretraining_data(config: RunConfig, files: DataFiles, tokenizer, block_size:
         description += f", each {config.question_repeats} times per epoch"
     if config.question_variants > 1:
         description += f", each exposure in one of {config.question_variants} phrasings"
+    if recited is not None:
+        description += (
+            f"; each answer follows a recitation of the first {config.model['recitation_length']} characters of "
+            "the person's document"
+        )
     return MixedData(data, questions), description
 
 
@@ -280,7 +314,7 @@ def run_finetuning(
             f"`{Path(files.corpus).name}`."
         )
     corpus_documents = len(read_corpus(files.corpus)) if files.corpus else (base_facts or {}).get("corpus_documents")
-    data = _birthplace_examples(tokenizer, files.train, model.config.block_size)
+    data = _birthplace_examples(tokenizer, files.train, model.config, files.corpus)
     accelerator = accelerator or make_accelerator(args)
     command = command or command_line()
     card = dict(
