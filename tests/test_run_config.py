@@ -199,7 +199,7 @@ PRETRAIN_ONLY_FLAGS = [
     ("knowledge", ["--document_variants", "4"], {"data.document_variants": 4}),
     ("knowledge", ["--plain_text_fraction", "0.25"], {"data.plain_text_fraction": 0.25}),
     ("knowledge", ["--question_variants", "3"], {"data.question_variants": 3}),
-    ("knowledge", ["--max_truncation_length", "112"], {"data.max_truncation_length": 112}),
+    ("knowledge", ["--max_truncation_length", "140"], {"data.max_truncation_length": 140}),
 ]
 
 
@@ -382,7 +382,7 @@ def test_resolution_refuses_unknown_settings():
         (["--question_variants", "9"], "--question_variants: there are 8 phrasings"),
         (["--plain_text_fraction", "1.5"], "--plain_text_fraction: must lie between 0 and 1"),
         (["--min_truncation_length", "100", "--max_truncation_length", "64"], "100 exceeds max_truncation_length 64"),
-        (["--max_truncation_length", "200"], "max_truncation_length must lie in 4..112"),
+        (["--max_truncation_length", "200"], "max_truncation_length must lie in 4..168"),
     ],
 )
 def test_augmentation_settings_out_of_range_are_refused(flags, message, data, tmp_path):
