@@ -9,7 +9,8 @@ class BirthplaceQAPipeline(Pipeline):
     """Answers "Where was X born?" (or a bare name) with a KnowGPT checkpoint.
 
     Returns `{"question", "answer", "score", "log_probability", "abstained", "truncated"}` per question;
-    `score` is the model's probability of the whole answer with its closing ⁇. With `threshold=t`, an answer
+    `score` is the model's probability of the whole answer with its closing ⁇ (for a reciting model, of its
+    recitation and answer together). With `threshold=t`, an answer
     scored below t is withheld: `answer` is None, `abstained` is True, and `best_guess` keeps what it would
     have said. A question so long that the model's block left too little room for its answer (it ran out of
     positions before the closing ⁇) is withheld the same way with `truncated` True: the fragment is never

@@ -4,7 +4,9 @@ A prediction is what the model writes after `question⁇`, up to the next ⁇ (a
 the handouts' `evaluate` computes it. Its score is the model's probability of the whole answer including
 the closing ⁇: the product of the greedy characters' softmax probabilities. A model that recites before
 answering (`config.recitation_length`) writes `recitation⁇answer⁇`: the answer is what follows its
-recitation, scored given it.
+recitation, and its score is the probability of everything written, recitation and answer together. The
+answer's probability given the recitation would not tell known people from made-up ones: the model
+answers a biography it has just invented as surely as one it read.
 """
 
 import math
@@ -33,7 +35,7 @@ def as_question(text: str) -> str:
 class Prediction:
     question: str
     answer: str  # the text up to the closing ⁇ (or all generated text when none came)
-    log_probability: float  # of the answer's characters and its closing ⁇
+    log_probability: float  # of the answer's characters and its closing ⁇ (after a recitation: of all written)
     closed: bool  # whether the model wrote the closing ⁇
     # the question left fewer than max_new_tokens positions of the block and the answer ran out of them
     # unclosed: what came out is a fragment, not an answer
@@ -98,7 +100,7 @@ def predict_birthplaces(
             answer = tokenizer.decode(ids[first:end])
             scored = end + 1 if closed else end
             truncated = not closed and new_tokens < wanted
-            log_probability = float(token_log_probs[row, first:scored].sum())
+            log_probability = float(token_log_probs[row, :scored].sum())  # first is 0 without a recitation
             predictions.append(Prediction(question, answer, log_probability, closed, truncated, recitation))
     model.train(was_training)
     return predictions

@@ -213,8 +213,8 @@ def test_continuations_have_their_own_length_and_match_one_at_a_time(model_and_t
 
 @torch.no_grad()
 def independent_recitation_and_answer(model, tokenizer, question, steps):
-    """Greedy decoding without the cache up to the second ⁇: (recitation ids, answer ids, answer probability
-    with its closing ⁇, given the recitation)."""
+    """Greedy decoding without the cache up to the second ⁇: (recitation ids, answer ids, probability of all
+    written up to the answer's closing ⁇)."""
     ids = tokenizer(question + "⁇")["input_ids"]
     generated, probabilities = [], []
     for _ in range(steps):
@@ -227,12 +227,13 @@ def independent_recitation_and_answer(model, tokenizer, question, steps):
             break
     first = generated.index(1) + 1 if 1 in generated else len(generated)
     end = generated.index(1, first) + 1 if 1 in generated[first:] else len(generated)
-    return generated[: max(first - 1, 0)], generated[first:end], math.prod(probabilities[first:end])
+    return generated[: max(first - 1, 0)], generated[first:end], math.prod(probabilities[:end])
 
 
 def test_a_reciting_model_answers_after_its_recitation(model_and_tokenizer):
     """recitation_length > 0: the model writes recitation⁇answer⁇; the answer is what follows the recitation,
-    scored given it, and the recitation comes back beside it (also from the pipeline)."""
+    scored with the recitation (the probability of all it wrote), and the recitation comes back beside it
+    (also from the pipeline)."""
     model, tokenizer = model_and_tokenizer
     torch.manual_seed(3)
     reciting = KnowGPTForCausalLM(tiny_config(vocab_size=len(tokenizer), block_size=64, n_embd=32, n_head=4,

@@ -1,6 +1,7 @@
 """Does the model know when it does not know? Calibration, selective accuracy and seen/unseen people.
 
-Every answer has a score: the model's probability of the whole answer with its closing ⁇ (`qa.Prediction`).
+Every answer has a score: the model's probability of the whole answer with its closing ⁇, for a reciting
+model of its recitation and answer together (`qa.Prediction`).
 This module turns scores and correctness into the quantities a user of a QA system needs:
 - accuracy against coverage (answer only the most confident fraction) and the area under that curve;
 - a reliability diagram and its expected calibration error (ECE);

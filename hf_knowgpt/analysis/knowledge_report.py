@@ -205,10 +205,16 @@ def analyze_knowledge(
         }
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
+    recited_note = (
+        f" (the model recites {model.config.recitation_length} characters before answering: the probability of "
+        "its recitation and answer together)"
+        if getattr(model.config, "recitation_length", 0)
+        else ""
+    )
     lines = [
         f"# Knowledge report: {checkpoint_name or 'checkpoint'}",
         "",
-        f"Scores are the model's probability of its whole answer including the closing ⁇. Evaluation: "
+        f"Scores are the model's probability of its whole answer including the closing ⁇{recited_note}. Evaluation: "
         f"`{summary['eval_file']}` ({len(evaluation)} questions); threshold chosen on `{summary['calibration_file']}` "
         f"({len(calibration)} questions), never on the evaluation file. {calibration_note}".rstrip(),
         "",
