@@ -236,18 +236,17 @@ def pretrain_in_process(corpus, output_dir, **training):
 
 
 def test_knowledge_recipe_reads_whole_windows_of_any_block_size(corpus, tmp_path):
-    # block 64 holds ⌊7·64/8⌋ = 56 characters: the recipe's 112 is capped there, not refused
+    # block 64 holds ⌊7·64/8⌋ = 56 characters: the recipe's 112 is capped there, not refused; its 112-character
+    # recitation cannot be capped (the question and answer need room too): the error says what to give
+    knowledge = dict(pretrain_corpus_path=corpus.corpus, mixed_training_corpus_path=corpus.train, recipe="knowledge")
+    with pytest.raises(ValueError, match="block_size 64 cannot hold the knowledge recipe's recitation"):
+        workflows.pretrain(tmp_path / "reciting", **knowledge, **TINY_OVERRIDES, max_epochs=1)
     workflows.pretrain(
-        tmp_path / "knowledge",
-        pretrain_corpus_path=corpus.corpus,
-        mixed_training_corpus_path=corpus.train,
-        recipe="knowledge",
-        **TINY_OVERRIDES,
-        max_epochs=1,
-        batch_size=16,
+        tmp_path / "knowledge", **knowledge, **TINY_OVERRIDES, recitation_length=0, max_epochs=1, batch_size=16
     )
     card = (tmp_path / "knowledge" / "README.md").read_text(encoding="utf-8")
-    assert "truncated to at least 56 characters" in card
+    assert "truncated to at least 56 characters, at most 56" in card
+    assert "cosine to 10% at the run's last step" in card  # the recipe's schedule ends with the run
     with pytest.raises(ValueError, match="min_truncation_length must lie in 4..56"):
         workflows.pretrain(
             tmp_path / "too-long", pretrain_corpus_path=corpus.corpus, **TINY_OVERRIDES,
@@ -276,7 +275,8 @@ def test_repeated_documents_and_questions_fill_the_epoch(corpus, tmp_path):
     questions = len(corpus.train.read_text().strip().split("\n"))
     _, metrics = workflows.pretrain(
         tmp_path / "run", pretrain_corpus_path=corpus.corpus, mixed_training_corpus_path=corpus.train,
-        recipe="knowledge", **TINY_OVERRIDES, max_epochs=1, batch_size=16, document_repeats=3, question_repeats=2,
+        recipe="knowledge", **TINY_OVERRIDES, recitation_length=0, max_epochs=1, batch_size=16, document_repeats=3,
+        question_repeats=2,
     )  # fmt: skip
     assert metrics["global_step"] == -(-(3 * documents + 2 * questions) // 16)
     card = (tmp_path / "run" / "README.md").read_text()
@@ -290,7 +290,7 @@ def test_augmented_mixed_training_runs_and_is_described(corpus, tmp_path):
     questions = len(corpus.train.read_text().strip().split("\n"))
     _, metrics = workflows.pretrain(
         tmp_path / "run", pretrain_corpus_path=corpus.corpus, mixed_training_corpus_path=corpus.train,
-        recipe="knowledge", **TINY_OVERRIDES, max_epochs=2, batch_size=16, document_variants=4,
+        recipe="knowledge", **TINY_OVERRIDES, recitation_length=0, max_epochs=2, batch_size=16, document_variants=4,
         plain_text_fraction=0.25, question_variants=3, document_repeats=2,
     )  # fmt: skip
     assert metrics["global_step"] == 2 * -(-(2 * documents + questions) // 16)
@@ -336,7 +336,7 @@ def test_a_reciting_model_trains_on_recitations_and_answers_after_them(corpus, t
     )  # fmt: skip
     assert "answers after reciting up to 40 characters" in result.stdout and "Correct: " in result.stdout
     card = json.loads((tmp_path / "run" / "pretrained" / "config.json").read_text())
-    assert card["recitation_length"] == 40 and card["block_size"] == 128
+    assert card["recitation_length"] == 40 and card["block_size"] == 192  # the recipe's block
 
 
 def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):

@@ -258,7 +258,19 @@ def resolve_run_config(
     model = {**model_defaults(), "attention_type": recipe.attention_type, **recipe.model}
     model.update({name.split(".", 1)[1]: value for name, value in given.items() if name.startswith("model.")})
     block_size = model["block_size"]
-    longest = given.get("data.max_truncation_length", recipe.max_truncation_length)
+    if "model.recitation_length" not in given and model.get("recitation_length", 0) >= block_size:
+        raise InputError(
+            "--block_size",
+            f"block_size {block_size} cannot hold the {recipe.name} recipe's recitation "
+            f"({model['recitation_length']} characters before each answer)",
+            "give --recitation_length below it (0: answer at once) or a larger --block_size",
+        )
+    if "data.max_truncation_length" in given:
+        longest = given["data.max_truncation_length"]
+    elif recipe.max_truncation_length is not None:  # the recipe's, within what a smaller block_size can hold
+        longest = min(recipe.max_truncation_length, max_truncation_length(block_size))
+    else:
+        longest = None
     if "data.min_truncation_length" in given:
         min_truncation_length = given["data.min_truncation_length"]
     else:  # the recipe's, within what a smaller block_size (or a lower longest truncation) can hold
