@@ -89,6 +89,16 @@ def variant_flags(variant: str) -> list[str]:
     return flags
 
 
+def flags_given_twice(variant: str, extra_flags) -> list[str]:
+    """Settings that a variant's options and the shared flags (--flags, --torch_compile) both give: the later
+    one would silently win, so the row would not be the variant it is named after."""
+
+    def names(flags):
+        return {flag[2:].removeprefix("no_") for flag in flags if flag.startswith("--")}
+
+    return sorted(names(variant_flags(variant)) & names(extra_flags))
+
+
 def launcher(mixed_precision: str, num_processes: int = 1) -> tuple[list[str], list[str]]:
     """How the README launches train.py: one process is a plain `python` with `--mixed_precision`;
     several go through `accelerate launch --multi_gpu`, every value it would otherwise warn about given.
@@ -254,6 +264,9 @@ def main(argv=None):
     output_dir = Path(args.output_dir)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
+    for variant in args.variants.split(","):
+        if twice := flags_given_twice(variant, extra_flags):
+            raise SystemExit(f"error: variant {variant!r} and --flags both set {', '.join(twice)}: give each once")
     jobs = [(variant, seed) for variant in args.variants.split(",") for seed in map(int, args.seeds.split(","))]
     results, lock = {}, threading.Lock()
 

@@ -84,3 +84,15 @@ def test_rows_run_side_by_side_on_listed_gpus_with_every_augmentation(tmp_path):
     second = (tmp_path / "runs" / f"{rows[1]['variant']}-seed0" / "run" / "pretrained" / "README.md").read_text()
     assert "one of up to 3 versions" in first and "0.2 of exposures as plain text" in first
     assert "in one of 4 phrasings" in second and "each 2 times per epoch" in second
+
+
+def test_a_setting_given_by_a_variant_and_by_the_shared_flags_is_refused(tmp_path):
+    """`--flags` come after a variant's options, so a setting in both would silently take the shared value:
+    the row would run something else than its name says."""
+    data = write_cs224n_named_synthetic(tmp_path, num_people=40)
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "reproduce.py"), "--data_dir", str(data),
+               "--variants", "knowledge+n_layer=4+mixed_training=off", "--flags", "--n_layer 2 --mixed_training",
+               "--output_dir", str(tmp_path / "runs")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode != 0 and not (tmp_path / "runs").exists()
+    assert "'knowledge+n_layer=4+mixed_training=off' and --flags both set mixed_training, n_layer" in result.stderr

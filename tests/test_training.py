@@ -217,7 +217,8 @@ def test_the_one_command_runs_a_whole_recipe_in_two_processes(corpus, tmp_path):
     dev score printed once, the test predictions and results written by the first process."""
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")  # fmt: skip
-    result = run_script(SCRIPTS / "train.py", "--recipe", "quickstart", "--pretrain_corpus_path", corpus.corpus,
+    result = run_script(SCRIPTS / "train.py", "--recipe", "handout", "--n_layer", 2, "--n_head", 4, "--n_embd", 128,
+                        "--pretrain_batch_size", 16, "--finetune_batch_size", 16, "--pretrain_corpus_path", corpus.corpus,
                         "--train_corpus_path", corpus.train, "--eval_corpus_path", corpus.dev, "--test_corpus_path",
                         corpus.test, "--pretrain_max_epochs", 2, "--finetune_max_epochs", 1, "--output_dir",
                         tmp_path / "run", launcher=launcher)  # fmt: skip
@@ -591,3 +592,20 @@ def test_a_plain_progress_log_prints_the_last_line_once(capsys):
         progress.set_postfix(loss=loss)
     progress.close()
     assert capsys.readouterr().out.splitlines() == ["training: step 10/10, loss 0.1000"]
+
+
+def test_the_quickstart_recipe_recites_and_its_comparison_trains_without_pretraining(corpus, tmp_path):
+    """The README's main job, one epoch each: the quickstart recipe mixes questions (with recitations) into
+    pretraining and answers from its pretrained checkpoint; without pretraining it trains on the questions
+    alone, from scratch."""
+    files = ("--pretrain_corpus_path", corpus.corpus, "--train_corpus_path", corpus.train, "--eval_corpus_path",
+             corpus.dev)  # fmt: skip
+    mixed = run_script(SCRIPTS / "train.py", "--recipe", "quickstart", *files, "--pretrain_max_epochs", 1,
+                       "--output_dir", tmp_path / "mixed")  # fmt: skip
+    assert "answers after reciting up to 96 characters" in mixed.stdout and "Correct: " in mixed.stdout
+    assert (tmp_path / "mixed" / "pretrained").is_dir() and not (tmp_path / "mixed" / "finetuned").exists()
+    scratch = run_script(SCRIPTS / "train.py", "--recipe", "quickstart", "--no_do_pretrain", *files,
+                         "--finetune_max_epochs", 1, "--output_dir", tmp_path / "scratch")  # fmt: skip
+    assert "Correct: " in scratch.stdout and not (tmp_path / "scratch" / "pretrained").exists()
+    config = json.loads((tmp_path / "scratch" / "finetuned" / "config.json").read_text())
+    assert config["recitation_length"] == 96 and config["attention_type"] == "rope"

@@ -246,7 +246,8 @@ def test_unknown_characters_are_named_with_their_first_line(corpus, tmp_path, ch
 
 
 def test_a_training_log_in_a_file_holds_lines_not_progress_bars(corpus, tmp_path):
-    result = run(SCRIPTS / "train.py", "--recipe", "quickstart", "--pretrain_corpus_path", corpus.corpus,
+    result = run(SCRIPTS / "train.py", "--recipe", "handout", "--n_layer", 2, "--n_head", 4, "--n_embd", 128,
+                 "--pretrain_batch_size", 16, "--finetune_batch_size", 16, "--pretrain_corpus_path", corpus.corpus,
                  "--train_corpus_path", corpus.train, "--eval_corpus_path", corpus.dev, "--output_dir", tmp_path / "run",
                  "--pretrain_max_epochs", 2, "--finetune_max_epochs", 1)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Ask a checkpoint where people were born, through the "birthplace-qa" pipeline.
 
-    python scripts/ask.py --model_name_or_path outputs/quickstart/finetuned "Khatchig Mouradian" "Where was Ada Lovelace born?"
-    python scripts/ask.py --model_name_or_path outputs/quickstart/finetuned --from_file dev.tsv --limit 5
+    python scripts/ask.py --model_name_or_path outputs/quickstart/pretrained "Khatchig Mouradian" "Where was Ada Lovelace born?"
+    python scripts/ask.py --model_name_or_path outputs/quickstart/pretrained --from_file dev.tsv --limit 5
 
 Each answer comes with the model's probability of it; --threshold withholds answers scored below it.
 """
