@@ -115,9 +115,10 @@ def person_documents(names, corpus_lines) -> list:
         title = line.split(". ", 1)[0]
         if title in wanted:
             titled.setdefault(title, line)
+    untitled = [name for name in dict.fromkeys(names) if name not in titled]  # only these need a search
     for line in corpus_lines:
-        for name in names:
-            if name not in found and name not in titled and name in line:
+        for name in untitled:
+            if name not in found and name in line:
                 found[name] = line
     return [titled.get(name, found.get(name)) for name in names]
 

@@ -13,8 +13,9 @@ class BirthplaceQAPipeline(Pipeline):
     recitation and answer together). With `threshold=t`, an answer scored below t is withheld: `answer` is
     None, `abstained` is True, and `best_guess` keeps what it would have said. A question so long that the
     model's block left too little room for its answer (it ran out of positions before the closing ⁇) is
-    withheld the same way with `truncated` True: the fragment is never given as an answer. Lists are answered in batches of `batch_size` (greedy decoding with the KV cache).
-    A model that recites before answering (`config.recitation_length`) also returns its `recitation`.
+    withheld the same way with `truncated` True: the fragment is never given as an answer. Lists are answered
+    in batches of `batch_size` (greedy decoding with the KV cache). A model that recites before answering
+    (`config.recitation_length`) also returns its `recitation`.
     """
 
     _load_processor = False

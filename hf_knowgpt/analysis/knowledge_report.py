@@ -102,7 +102,7 @@ def analyze_knowledge(
 
     breakdowns, probe = [], None
     if corpus_path:
-        corpus_lines = Path(corpus_path).read_text(encoding="utf-8").split("\n")
+        corpus_lines = known_text.split("\n")  # the corpus, read once above
         names, places = [r.name for r in evaluation], [r.answer for r in evaluation]
         breakdowns = knowledge_breakdowns(names, places, eval_correct, corpus_lines, train_places)
         window = min(recitation_window, model.config.block_size)

@@ -5,8 +5,9 @@ What the user gave arrives as a dict of qualified names, only for flags actually
 argparse defaults are `SUPPRESS`):
 
 - `model.<field>`: a `KnowGPTConfig` field (`model.attention_type`, `model.n_embd`, ...);
-- `data.<field>`: `data.min_truncation_length`, `data.max_truncation_length`, `data.mixed_training`, `data.document_repeats`,
-  `data.question_repeats`, `data.document_variants`, `data.plain_text_fraction`, `data.question_variants`;
+- `data.<field>`: `data.min_truncation_length`, `data.max_truncation_length`, `data.mixed_training`,
+  `data.document_repeats`, `data.question_repeats`, `data.document_variants`, `data.plain_text_fraction`,
+  `data.question_variants`;
 - `pretrain.<field>` / `finetune.<field>`: a `TrainingArguments` field of that stage only;
 - `run.<field>`: a `TrainingArguments` field of every stage (seed, training path, logging, ...).
 

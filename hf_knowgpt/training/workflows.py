@@ -172,19 +172,20 @@ def recitations(records, documents, length: int) -> list[str] | None:
     return [(document or "")[:length] for document in person_documents([r.name for r in records], documents)]
 
 
-def _birthplace_examples(tokenizer, path, model_config, corpus_path=None) -> FinetuningData:
+def _birthplace_examples(tokenizer, path, model_config, documents=None) -> FinetuningData:
+    """The training questions as examples; a reciting model's recite from `documents` (the corpus's lines)."""
     records = _birthplace_records(path)
     questions, answers = [r.question for r in records], [r.answer for r in records]
     recited = None
     if model_config.recitation_length:
-        if corpus_path is None:
+        if documents is None:
             raise InputError(
                 path,
                 f"the model recites before answering (recitation_length {model_config.recitation_length}), and no "
                 "corpus holds what it recites",
                 "pass --pretrain_corpus_path",
             )
-        recited = recitations(records, read_corpus(corpus_path), model_config.recitation_length)
+        recited = recitations(records, documents, model_config.recitation_length)
     block_size = model_config.block_size
     return FinetuningData(*encode_birthplace_examples(tokenizer, questions, answers, block_size, str(path), recited))
 
@@ -313,8 +314,9 @@ def run_finetuning(
             f"Finetuned on `{Path(files.train).name}` from scratch (no pretraining), vocabulary of "
             f"`{Path(files.corpus).name}`."
         )
-    corpus_documents = len(read_corpus(files.corpus)) if files.corpus else (base_facts or {}).get("corpus_documents")
-    data = _birthplace_examples(tokenizer, files.train, model.config, files.corpus)
+    documents = read_corpus(files.corpus) if files.corpus else None
+    corpus_documents = len(documents) if documents is not None else (base_facts or {}).get("corpus_documents")
+    data = _birthplace_examples(tokenizer, files.train, model.config, documents)
     accelerator = accelerator or make_accelerator(args)
     command = command or command_line()
     card = dict(
