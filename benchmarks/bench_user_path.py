@@ -10,11 +10,12 @@ On a GPU, in one run:
    (the same caches, a second run on the same machine); then the same run under `accelerate launch
    --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
-3. The handouts' loop beside it: the plain path (`--training_path plain`: a DataLoader corrupting one
-   document per item, every position computed, unfused attention, fp32) for a few pretraining and
-   finetuning epochs through the same command, and the handouts' evaluation (one question at a time, 32
-   forward passes without a cache), so its whole recipe is estimated as 650 pretraining epochs + 10
-   finetuning epochs + 500 questions.
+3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
+   evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
+   recipe (650 pretraining epochs, 10 finetuning epochs, 500 questions) added at the measured rates, or
+   their whole recipe with --handout_epochs all.
+The table ends with where a run's seconds go: start-up, imports, data, compilation and capture, steps,
+saving, evaluation and exit, from the marks train.py writes into results.json (`timeline`).
 Always: `import hf_knowgpt`, `scripts/pretrain.py --help` and `scripts/train.py --help`, best of three.
 A table is printed last; --output writes JSON.
 """
@@ -30,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_knowgpt.utils.timeline import phase_seconds
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
 
@@ -41,15 +44,18 @@ def accelerate_launch(mixed_precision: str) -> list[str]:
                       "--dynamo_backend", "no"]  # fmt: skip
 
 
-def timed(command, log: Path, env=None) -> tuple[float, str]:
-    """Wall seconds of a whole process, as a user waits for it; its output is kept in `log`."""
+def timed(command, log: Path, env=None, clock: dict | None = None) -> tuple[float, str]:
+    """Wall seconds of a whole process, as a user waits for it; its output is kept in `log`, and its start
+    and end on the wall clock in `clock` (for hf_knowgpt.utils.timeline's marks)."""
     print("+ " + " ".join(map(str, command)), flush=True)
-    started = time.perf_counter()
+    started, wall_started = time.perf_counter(), time.time()
     completed = subprocess.run(
         [str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
     seconds = time.perf_counter() - started
+    if clock is not None:
+        clock.update(started=wall_started, ended=time.time())
     log.write_text(completed.stdout)
     if completed.returncode:
         raise RuntimeError(f"exit status {completed.returncode}; output:\n{completed.stdout[-4000:]}")
@@ -78,35 +84,57 @@ def accuracy_line(output: str) -> str:
     return lines[0] if lines else "-"
 
 
-def handout_evaluation_seconds(checkpoint: Path, dev: Path, questions: int) -> float:
-    """The handouts' evaluation loop: one question at a time, greedy, 32 full forward passes without a KV
-    cache (their `sample`), on the GPU, in fp32; seconds per question."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def handout_loop(data: Path, attention_type: str, work: Path, epochs: tuple[int, int, int] | None) -> dict:
+    """The handouts' own loop (benchmarks/handout_loop.py) as a whole process: their whole recipe when
+    `epochs` is None, else (pretraining epochs, finetuning epochs, questions) and the rest of their recipe
+    (650 epochs, 10 epochs, 500 questions) added at the per-epoch and per-question times it measured, the
+    first epoch of each stage (worker start-up, CUDA warm-up) counted once as it would be."""
+    command = [sys.executable, REPO_ROOT / "benchmarks" / "handout_loop.py", "--data_dir", data,
+               "--attention_type", attention_type, "--output_dir", work / "handout-loop"]  # fmt: skip
+    if epochs:
+        command += ["--pretrain_epochs", epochs[0], "--finetune_epochs", epochs[1], "--questions", epochs[2]]
+    seconds, output = timed(command, work / "handout-loop.log")
+    measured = json.loads(output.strip().split("\n")[-1])
+    later_pretrain = measured["pretrain_epoch_s"][1:] or measured["pretrain_epoch_s"]
+    later_finetune = measured["finetune_epoch_s"][1:] or measured["finetune_epoch_s"]
+    remaining = (
+        (650 - len(measured["pretrain_epoch_s"])) * sum(later_pretrain) / len(later_pretrain)
+        + (10 - len(measured["finetune_epoch_s"])) * sum(later_finetune) / len(later_finetune)
+        + (500 - measured["questions"]) * measured["question_s"]
+    )
+    return {
+        "command": " ".join(map(str, command)),
+        "process_s": seconds,
+        "recipe_s": seconds + remaining,
+        "whole_recipe_run": not epochs,
+        **measured,
+    }
 
-    import hf_knowgpt  # noqa: F401
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).cuda().eval()
-    model.set_attn_implementation("eager")  # the handouts' unfused attention
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    lines = dev.read_text(encoding="utf-8").strip("\n").split("\n")[:questions]
-    started = time.perf_counter()
-    with torch.no_grad():
-        for line in lines:
-            ids = torch.tensor([tokenizer(line.split("\t")[0] + "⁇")["input_ids"]], device="cuda")
-            for _ in range(32):
-                logits = model(ids[:, -model.config.block_size :], use_cache=False).logits
-                ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
-            ids.cpu()  # the handouts decode each answer on the host
-    return (time.perf_counter() - started) / len(lines)
+def breakdown(started: float, ended: float, summary: dict) -> list[tuple[str, float]]:
+    """Every second of a train.py process by phase (hf_knowgpt.utils.timeline), a stage's training split
+    into compilation and graph capture (its warm-up) and the steps."""
+    rows = []
+    for label, seconds in phase_seconds(started, summary["timeline"], ended):
+        stage = label.split(":")[0]
+        if label.endswith("(compilation and capture included)"):
+            warmup = summary["stages"][stage]["warmup_seconds"]
+            rows += [(f"{stage}: compilation and graph capture", warmup), (f"{stage}: steps", seconds - warmup)]
+        else:
+            rows.append((label, seconds))
+    return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", default=None, help="folder with the CS224N files")
     parser.add_argument("--attention_type", default="vanilla")
-    parser.add_argument("--plain_epochs", type=int, default=3, help="pretraining epochs of the handouts' loop")
-    parser.add_argument("--handout_questions", type=int, default=50, help="questions the handouts' loop answers")
+    parser.add_argument(
+        "--handout_epochs",
+        default="4,2,50",
+        help="pretraining epochs, finetuning epochs and questions of the handouts' loop timed, the rest of "
+        "their recipe added at the measured rates; 'all' runs their whole recipe (default 4,2,50)",
+    )
     parser.add_argument("--startup_only", action="store_true", help="only the start-up figures")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a new temporary one)")
     parser.add_argument("--output", default=None, help="write every measurement as JSON here")
@@ -114,6 +142,7 @@ def main(argv=None):
 
     results = {"startup": startup_times()}
     print(json.dumps(results["startup"]), flush=True)
+    runs = ("cold", "warm", "warm, accelerate launch")
     if not args.startup_only:
         import torch
 
@@ -124,23 +153,18 @@ def main(argv=None):
         recipe = ["--recipe", "handout", "--attention_type", args.attention_type, "--data_dir", data]
         direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16", "--torch_compile"]
         launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe, "--torch_compile"]
-        runs = (("cold", direct), ("warm", direct), ("warm, accelerate launch", launched))
-        for run, command in runs:
+        for run, command in zip(runs, (direct, direct, launched)):
             output_dir = work / f"{run.split(',')[0]}-{len(results)}-run"
             command = [*command, "--output_dir", output_dir]
-            seconds, output = timed(command, work / f"{output_dir.name}.log", env=caches)
+            clock = {}
+            seconds, output = timed(command, work / f"{output_dir.name}.log", env=caches, clock=clock)
             summary = json.loads((output_dir / "results.json").read_text())
             results[run] = {
                 "command": " ".join(map(str, command)),
                 "output_dir": str(output_dir),
                 "process_s": seconds,
                 "accuracy": accuracy_line(output),
-                "pretrain_train_s": summary["stages"]["pretrain"]["train_seconds"],
-                "pretrain_warmup_s": summary["stages"]["pretrain"]["warmup_seconds"],
-                "finetune_train_s": summary["stages"]["finetune"]["train_seconds"],
-                "finetune_warmup_s": summary["stages"]["finetune"]["warmup_seconds"],
-                "dev_eval_s": summary["dev"]["seconds"],
-                "run_recipe_s": summary["seconds_in_run_recipe"],
+                "breakdown_s": breakdown(clock["started"], clock["ended"], summary),
             }
             print(json.dumps(results[run]), flush=True)
         checkpoint = Path(results["warm"]["output_dir"]) / "finetuned"
@@ -150,50 +174,39 @@ def main(argv=None):
             work / "evaluate.log",
         )  # fmt: skip
         results["evaluate"] = {"process_s": seconds, "accuracy": accuracy_line(output)}
-
-        plain_dir = work / "plain-run"
-        command = [*accelerate_launch("no"), SCRIPTS / "train.py", *recipe, "--training_path", "plain",
-                   "--pretrain_max_epochs", args.plain_epochs, "--finetune_max_epochs", 2,
-                   "--output_dir", plain_dir]  # fmt: skip
-        seconds, _ = timed(command, work / "plain.log")
-        per_epoch = {}
-        for stage in ("pretrained", "finetuned"):
-            marks = json.loads((plain_dir / stage / "train_results.json").read_text())["epoch_seconds"]
-            per_epoch[stage] = (marks[-1] - marks[0]) / (len(marks) - 1)  # the first epoch apart (warm-up)
-        per_question = handout_evaluation_seconds(checkpoint, data / "birth_dev.tsv", args.handout_questions)
-        estimate = 650 * per_epoch["pretrained"] + 10 * per_epoch["finetuned"] + 500 * per_question
-        results["handout_loop"] = {
-            "command": " ".join(map(str, command)),
-            "pretrain_s_per_epoch": per_epoch["pretrained"],
-            "finetune_s_per_epoch": per_epoch["finetuned"],
-            "evaluation_s_per_question": per_question,
-            "recipe_estimate_s": estimate,
-        }
+        epochs = None if args.handout_epochs == "all" else tuple(int(n) for n in args.handout_epochs.split(","))
+        results["handout_loop"] = handout_loop(data, args.attention_type, work, epochs)
+        print(json.dumps(results["handout_loop"]), flush=True)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2))
 
     startup = results["startup"]
     print(f"\n{results.get('device', 'start-up only')}; whole processes, as a user waits")
-    print(f"{'import hf_knowgpt':<44}{startup['import_hf_knowgpt_s']:>8.2f} s")
-    print(f"{'scripts/pretrain.py --help':<44}{startup['pretrain_help_s']:>8.2f} s")
-    print(f"{'scripts/train.py --help':<44}{startup['train_help_s']:>8.2f} s")
-    if not args.startup_only:
-        handout = results["handout_loop"]
-        for run in ("cold", "warm", "warm, accelerate launch"):
-            row = results[run]
-            print(
-                f"{'train.py ' + args.attention_type + ' bf16, ' + run:<44}{row['process_s']:>8.1f} s   "
-                f"{row['accuracy']}   ({handout['recipe_estimate_s'] / row['process_s']:.1f}× the handouts' loop; "
-                f"steps {row['pretrain_train_s'] - row['pretrain_warmup_s']:.1f} s, warm-up {row['pretrain_warmup_s']:.1f} s)"
-            )
+    print(f"{'import hf_knowgpt':<48}{startup['import_hf_knowgpt_s']:>8.2f} s")
+    print(f"{'scripts/pretrain.py --help':<48}{startup['pretrain_help_s']:>8.2f} s")
+    print(f"{'scripts/train.py --help':<48}{startup['train_help_s']:>8.2f} s")
+    if args.startup_only:
+        return results
+    handout = results["handout_loop"]
+    how = "whole recipe run" if handout["whole_recipe_run"] else "measured epochs and questions, the rest added"
+    print(
+        f"{'the handouts own loop, ' + args.attention_type:<48}{handout['recipe_s']:>8.1f} s   ({how}: "
+        f"{sum(handout['pretrain_epoch_s'][1:]) / max(1, len(handout['pretrain_epoch_s']) - 1):.3f} s per "
+        f"pretraining epoch, {1000 * handout['question_s']:.0f} ms per question"
+        + (f", {handout['correct']} of {handout['questions']} right)" if handout["whole_recipe_run"] else ")")
+    )
+    for run in runs:
+        row = results[run]
         print(
-            f"{'scripts/evaluate_checkpoint.py, 500 questions':<44}{results['evaluate']['process_s']:>8.1f} s   {results['evaluate']['accuracy']}"
+            f"{'train.py ' + args.attention_type + ' bf16 compiled, ' + run:<48}{row['process_s']:>8.1f} s   "
+            f"{row['accuracy']}   ({handout['recipe_s'] / row['process_s']:.1f}× less than the handouts' loop)"
         )
-        print(
-            f"{'handouts loop (estimate)':<44}{handout['recipe_estimate_s']:>8.1f} s   "
-            f"({handout['pretrain_s_per_epoch']:.3f} s/epoch × 650 + {handout['finetune_s_per_epoch']:.3f} × 10 "
-            f"+ {1000 * handout['evaluation_s_per_question']:.0f} ms × 500 questions)"
-        )
+    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<48}{results['evaluate']['process_s']:>8.1f} s")
+    print(f"\nwhere the seconds go (train.py {args.attention_type}, bf16, compiled)")
+    print(f"{'phase':<70}{'cold':>8}{'warm':>8}")
+    for (label, cold), (_, warm) in zip(results["cold"]["breakdown_s"], results["warm"]["breakdown_s"]):
+        print(f"{label:<70}{cold:>8.1f}{warm:>8.1f}")
+    print(f"{'whole process':<70}{results['cold']['process_s']:>8.1f}{results['warm']['process_s']:>8.1f}")
     return results
 
 

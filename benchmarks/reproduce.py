@@ -6,8 +6,8 @@ run as a user runs it, once per seed.
         --variants vanilla-nopretrain,vanilla,rope,synthesizer,perceiver,knowledge --seeds 0,1,2
 
 A variant is a base and options. Bases: `vanilla-nopretrain` (the handouts' finetuning from scratch),
-`vanilla`, `rope`, `synthesizer`, `perceiver` (the handouts' recipe with that attention) and `knowledge`
-(`--recipe knowledge`). Each option `+name=value` adds `--name value` to the command, `+name=on` adds
+`vanilla`, `rope`, `synthesizer`, `perceiver` (the handouts' recipe with that attention), `knowledge`
+(`--recipe knowledge`) and `quickstart` (`--recipe quickstart`, for the synthetic corpus). Each option `+name=value` adds `--name value` to the command, `+name=on` adds
 `--name` and `+name=off` adds `--no_name`: `knowledge+n_embd=512+pretrain_max_epochs=500`,
 `knowledge+do_finetune=on+finetune_recipe=handout`. So every row is a command a user can type, printed
 before it runs; its whole wall time (interpreter, imports, compilation, training, evaluation) is recorded.
@@ -58,6 +58,7 @@ BASES = {
         for name in ("vanilla", "rope", "synthesizer", "perceiver")
     },
     "knowledge": ["--recipe", "knowledge"],
+    "quickstart": ["--recipe", "quickstart"],
 }
 
 

@@ -1,9 +1,11 @@
-"""An independent, plain re-statement of the CS224N handouts' GPT, for tests only.
+"""An independent, plain re-statement of the CS224N handouts' GPT, for tests and the speed anchor.
 
 It keeps the handouts' parameter names and shapes (what `torch.save(model.state_dict())` writes there)
 and their arithmetic (unfused attention, masked_fill with -1e10, complex-number RoPE, the synthesizer's
 w2 of width block_size - 1, the perceiver per the 2023 hints), so the converter and our attention
-variants can be checked against it.
+variants can be checked against it. With `pdrop` it drops out where the handouts do (embeddings,
+attention weights, both residual branches), and `handout_init` sets their initial values; so
+`benchmarks/handout_loop.py` trains it as their code does.
 """
 
 import math
@@ -14,10 +16,12 @@ from torch.nn import functional as F
 
 
 class Config:
-    def __init__(self, vocab_size, block_size, n_layer=4, n_head=8, n_embd=256, variant="vanilla", bottleneck_dim=32):
+    def __init__(
+        self, vocab_size, block_size, n_layer=4, n_head=8, n_embd=256, variant="vanilla", bottleneck_dim=32, pdrop=0.0
+    ):
         self.vocab_size, self.block_size = vocab_size, block_size
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
-        self.variant, self.bottleneck_dim = variant, bottleneck_dim
+        self.variant, self.bottleneck_dim, self.pdrop = variant, bottleneck_dim, pdrop
 
 
 def rope_cache(dim, max_positions):
@@ -45,6 +49,7 @@ class SelfAttention(nn.Module):
         if rope:
             self.register_buffer("rope_cache", rope_cache(c.n_embd // c.n_head, c.block_size))
         self.n_head = c.n_head
+        self.attn_drop, self.resid_drop = nn.Dropout(c.pdrop), nn.Dropout(c.pdrop)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -55,8 +60,8 @@ class SelfAttention(nn.Module):
             q, k = apply_rope(q, self.rope_cache), apply_rope(k, self.rope_cache)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(self.mask[:, :, :T, :T] == 0, -1e10)
-        y = F.softmax(att, dim=-1) @ v
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        y = self.attn_drop(F.softmax(att, dim=-1)) @ v
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
 class SynthesizerAttention(nn.Module):
@@ -71,6 +76,7 @@ class SynthesizerAttention(nn.Module):
             "mask", torch.tril(torch.ones(c.block_size, c.block_size)).view(1, 1, c.block_size, c.block_size)
         )
         self.n_head = c.n_head
+        self.attn_drop, self.resid_drop = nn.Dropout(c.pdrop), nn.Dropout(c.pdrop)
         nn.init.uniform_(self.w2, -0.001, 0.001)
 
     def forward(self, x):
@@ -80,8 +86,8 @@ class SynthesizerAttention(nn.Module):
         v = self.value(x).view(B, T, self.n_head, d_k).transpose(1, 2)
         scores = (relu_out @ self.w2[:, :T]) + self.b2[:T]
         scores = scores.masked_fill(self.mask[:, :, :T, :T] == 0, -1e10)
-        y = F.softmax(scores, dim=-1) @ v
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        y = self.attn_drop(F.softmax(scores, dim=-1)) @ v
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
 class CrossAttention(nn.Module):
@@ -93,6 +99,7 @@ class CrossAttention(nn.Module):
             "mask", torch.tril(torch.ones(c.block_size, c.block_size)).view(1, 1, c.block_size, c.block_size)
         )
         self.n_head = c.n_head
+        self.attn_drop, self.resid_drop = nn.Dropout(c.pdrop), nn.Dropout(c.pdrop)
 
     def forward(self, x_kv, x_q):
         Bk, Tk, C = x_kv.shape
@@ -102,13 +109,13 @@ class CrossAttention(nn.Module):
         v = self.value(x_kv).view(Bk, Tk, self.n_head, C // self.n_head).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
         att = att.masked_fill(self.mask[:, :, :Tq, :Tk] == 0, -1e10)
-        y = F.softmax(att, dim=-1) @ v
-        return self.proj(y.transpose(1, 2).contiguous().view(max(Bk, Bq), Tq, C))
+        y = self.attn_drop(F.softmax(att, dim=-1)) @ v
+        return self.resid_drop(self.proj(y.transpose(1, 2).contiguous().view(max(Bk, Bq), Tq, C)))
 
 
 def mlp(c):
     return nn.Sequential(
-        nn.Linear(c.n_embd, 4 * c.n_embd), nn.GELU(), nn.Linear(4 * c.n_embd, c.n_embd), nn.Dropout(0.0)
+        nn.Linear(c.n_embd, 4 * c.n_embd), nn.GELU(), nn.Linear(4 * c.n_embd, c.n_embd), nn.Dropout(c.pdrop)
     )
 
 
@@ -158,7 +165,7 @@ class GPT(nn.Module):
             self.pos_emb = nn.Parameter(torch.zeros(1, c.block_size, c.n_embd))
         if c.variant == "perceiver":
             self.down_block = DownProjectBlock(c)
-            latent = Config(c.vocab_size, c.bottleneck_dim, n_head=c.n_head, n_embd=c.n_embd)
+            latent = Config(c.vocab_size, c.bottleneck_dim, n_head=c.n_head, n_embd=c.n_embd, pdrop=c.pdrop)
             self.blocks = nn.Sequential(*[Block(latent, SelfAttention(latent)) for _ in range(c.n_layer - 2)])
             self.up_block = UpProjectBlock(c)
         else:
@@ -168,6 +175,7 @@ class GPT(nn.Module):
                 "synthesizer": lambda: SynthesizerAttention(c),
             }[c.variant]
             self.blocks = nn.Sequential(*[Block(c, make()) for _ in range(c.n_layer)])
+        self.drop = nn.Dropout(c.pdrop)
         self.ln_f = nn.LayerNorm(c.n_embd)
         self.head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
         with torch.no_grad():  # non-trivial values everywhere, so a mis-mapped tensor shows
@@ -175,11 +183,27 @@ class GPT(nn.Module):
                 if name.endswith("bias") or "pos_emb" in name or name.endswith("b2"):
                     p.normal_(0, 0.02)
 
+    def handout_init(self):
+        """The handouts' initial values: weights of linear layers and embeddings from N(0, 0.02), biases and
+        the position embedding zero, layer norms the identity."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.data.normal_(mean=0.0, std=0.02)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.data.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.bias.data.zero_()
+                module.weight.data.fill_(1.0)
+        if self.variant != "rope":
+            self.pos_emb.data.zero_()
+        return self
+
     def forward(self, idx):
         t = idx.shape[1]
         x = self.tok_emb(idx)
         if self.variant != "rope":
             x = x + self.pos_emb[:, :t, :]
+        x = self.drop(x)
         if self.variant == "perceiver":
             return self.head(self.ln_f(self.up_block(self.blocks(self.down_block(x)), x)))
         return self.head(self.ln_f(self.blocks(x)))

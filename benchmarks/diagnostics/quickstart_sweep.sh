@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Choose the quickstart recipe's settings on held-out synthetic training people (never the synthetic dev
 # set): the embedded corpus under the CS224N file names, the last 36 training questions held out, every
-# row the one command `scripts/train.py --recipe knowledge <flags>` at CPU sizes, several rows at once on
-# one GPU (accuracy only; CPU time is measured separately with scripts/quickstart.sh). Usage:
+# row the one command `scripts/train.py --recipe quickstart <flags>` (variants `quickstart+name=value`),
+# several rows at once on one GPU in fp32 (accuracy only; CPU time is measured separately with
+# scripts/quickstart.sh). Usage:
 #   bash benchmarks/gpu_machine.sh bash benchmarks/diagnostics/quickstart_sweep.sh RESULTS.json VARIANTS SEEDS
-# VARIANTS: a comma-separated list or a file of one (benchmarks/diagnostics/quickstart_sweep_variants.txt);
-# reproduce.py refuses a variant that sets a value the shared flags below also set.
+# VARIANTS: a comma-separated list or a file of one (benchmarks/diagnostics/quickstart_sweep_variants.txt).
 set -euo pipefail
 results=$1 variants=$2 seeds=${3:-0}
 [ -f "$variants" ] && variants=$(tr -d "\n" < "$variants")  # a file of variants, for long lists
@@ -21,5 +21,4 @@ for source, name in ((files.corpus, "wiki.txt"), (files.train, "birth_places_tra
     shutil.copy(source, target / name)
 PY
 python3 benchmarks/reproduce.py --data_dir "$data" --heldout 36 --seeds "$seeds" --gpus 0,0,0,0,0,0,0,0 \
-    --flags "--n_layer 2 --n_head 4 --n_embd 128 --pretrain_batch_size 16 --pretrain_learning_rate 3e-3" \
     --variants "$variants" --output_dir /tmp/quickstart-sweep --results "$results"

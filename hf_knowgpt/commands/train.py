@@ -71,10 +71,16 @@ def run_config(args):
 
 
 def main(argv=None):
+    from ..utils import timeline
+
+    timeline.mark("interpreter and command start-up")
     args = parse_args(argv)
     config, files = run_config(args)
     cli.print_run_config(config)
+    timeline.mark("flags and recipe resolved")
     from ..training import workflows
+
+    timeline.mark("libraries imported")
 
     return cli.run_training(
         workflows.run_recipe,

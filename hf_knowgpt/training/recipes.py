@@ -60,10 +60,10 @@ QUICKSTART = Recipe(
     description=(
         "The knowledge recipe at CPU size, for the README's main job on the synthetic corpus: mixed training "
         "with RoPE, recite, then answer (the biographies are shorter: block 160, recitation and documents "
-        "96 characters), 2 layers of width 128 without dropout, batch 16, learning rate 3e-3, 150 epochs, so "
-        "pretrain → evaluate fits in a few minutes on two cores. Chosen on the last 36 synthetic training "
-        "people held out (benchmarks/RESULTS.md); the synthetic corpus is made up and tells nothing about "
-        "the CS224N data."
+        "96 characters), half of the document exposures read as plain text, 2 layers of width 128 with "
+        "dropout 0.1, batch 16, learning rate 3e-3, 150 epochs, so pretrain → evaluate fits in a few minutes "
+        "on two cores. Chosen on the last 36 synthetic training people held out (benchmarks/RESULTS.md); the "
+        "synthetic corpus is made up and tells nothing about the CS224N data."
     ),
     model=dict(
         n_layer=2,
@@ -71,9 +71,9 @@ QUICKSTART = Recipe(
         n_embd=128,
         block_size=160,
         recitation_length=96,
-        embd_pdrop=0.0,
-        resid_pdrop=0.0,
-        attn_pdrop=0.0,
+        embd_pdrop=0.1,
+        resid_pdrop=0.1,
+        attn_pdrop=0.1,
     ),
     pretrain=StageRecipe(
         max_epochs=150, batch_size=16, learning_rate=3e-3, final_tokens_epochs=None, extra={"shuffle": True}
@@ -84,6 +84,7 @@ QUICKSTART = Recipe(
     mixed_training=True,
     min_truncation_length=96,
     max_truncation_length=96,
+    plain_text_fraction=0.5,
 )
 
 KNOWLEDGE = Recipe(

@@ -31,6 +31,7 @@ from ..analysis.evaluation import dataset_id, evaluate_birthplaces, load_checkpo
 from ..configuration_knowgpt import KnowGPTConfig
 from ..modeling_knowgpt import KnowGPTForCausalLM
 from ..tokenization_knowgpt import KnowGPTTokenizerFast
+from ..utils import timeline
 from ..utils.checkpoints import list_checkpoints, looks_like_hub_id, write_json_atomic
 from ..utils.errors import InputError
 from ..utils.model_card import describe_device, read_card_facts, write_model_card
@@ -116,8 +117,11 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
         facts = _card_facts(unwrapped, tokenizer, args, result, accelerator, **card)
         write_model_card(directory, facts)
 
+    stage = "pretrain" if args is config.pretrain else "finetune"
     trainer = KnowGPTTrainer(model, data, args, accelerator, save_callback=export, run_record=config.to_dict())
+    timeline.mark(f"{stage}: model and data on the device")
     result = trainer.train()
+    timeline.mark(f"{stage}: training (compilation and capture included)")
     metrics = {
         "global_step": result.global_step,
         "epochs": result.epochs,
@@ -138,6 +142,7 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
     trainer.save_final(metrics)
     model = accelerator.unwrap_model(trainer.model)
     accelerator.free_memory()  # the next stage prepares its own model, optimizer and scheduler
+    timeline.mark(f"{stage}: final model saved")
     if accelerator.is_main_process:
         accelerator.print(
             f"Saved {args.output_dir}: {result.global_step} steps, final loss {result.final_loss:.4f}, "
@@ -268,6 +273,7 @@ def run_pretraining(
     block_size = model.config.block_size
     accelerator = accelerator or make_accelerator(args)
     data, description = pretraining_data(config, files, tokenizer, block_size, documents)
+    timeline.mark("pretrain: device set up, corpus read, model built, examples encoded")
     card = dict(
         data_description=description,
         dataset_id=dataset_id(files.corpus),
@@ -318,6 +324,7 @@ def run_finetuning(
     corpus_documents = len(documents) if documents is not None else (base_facts or {}).get("corpus_documents")
     data = _birthplace_examples(tokenizer, files.train, model.config, documents)
     accelerator = accelerator or make_accelerator(args)
+    timeline.mark("finetune: questions read, model ready, examples encoded")
     command = command or command_line()
     card = dict(
         data_description=f"`{Path(files.train).name}` ({data.num_examples} questions)",
@@ -462,7 +469,9 @@ def run_recipe(
                 k: result[k] for k in ("eval_file", "predictions_file", "accuracy", "correct", "total") if k in result
             }
             summary[split]["seconds"] = time.perf_counter() - evaluation_started
+            timeline.mark(f"{split} questions answered and written")
         summary["seconds_in_run_recipe"] = time.perf_counter() - started
+        summary["timeline"] = timeline.marks()
         write_json_atomic(output_dir / "results.json", summary)
     accelerator.wait_for_everyone()
     return summary

@@ -1,0 +1,70 @@
+"""CPU smoke tests of the speed benchmark's parts: the handouts' loop it compares with, and the timeline that
+accounts for every second of a train.py process."""
+
+import json
+import subprocess
+import sys
+import time
+
+import torch
+from conftest import REPO_ROOT, write_cs224n_named_synthetic
+from cs224n_reference import GPT, Config
+
+from hf_knowgpt.utils.timeline import phase_seconds
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+import bench_user_path  # noqa: E402
+
+
+def test_the_handouts_loop_trains_and_answers_as_one_process(tmp_path):
+    data = write_cs224n_named_synthetic(tmp_path, num_people=40)
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "handout_loop.py"), "--data_dir", str(data),
+               "--pretrain_epochs", "2", "--finetune_epochs", "1", "--questions", "3",
+               "--output_dir", str(tmp_path / "loop")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().split("\n")[-1])
+    assert len(measured["pretrain_epoch_s"]) == 2 and len(measured["finetune_epoch_s"]) == 1
+    assert measured["questions"] == 3 and 0 <= measured["correct"] <= 3 and measured["question_s"] > 0
+    assert list(measured["phases_s"]) == ["imports", "data and model", "pretraining", "finetuning", "evaluation"]
+    assert all(seconds >= 0 for seconds in measured["phases_s"].values())
+    # their torch.save of each stage's parameters, loadable into their model
+    state = torch.load(tmp_path / "loop" / "finetuned.params")
+    assert "blocks.0.attn.key.weight" in state and "pos_emb" in state
+
+
+def test_the_reference_model_drops_out_only_in_training_and_starts_from_the_handouts_values():
+    torch.manual_seed(0)
+    model = GPT(Config(20, 16, n_layer=2, n_head=2, n_embd=16, pdrop=0.1)).handout_init()
+    assert torch.count_nonzero(model.pos_emb) == 0 and torch.count_nonzero(model.blocks[0].attn.key.bias) == 0
+    ids = torch.randint(0, 20, (2, 16))
+    model.eval()
+    assert torch.equal(model(ids), model(ids))
+    model.train()
+    assert not torch.equal(model(ids), model(ids))
+
+
+def test_the_timeline_accounts_for_every_second_of_a_train_run(tmp_path):
+    data = write_cs224n_named_synthetic(tmp_path, num_people=40)
+    output_dir = tmp_path / "run"
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "train.py"), "--recipe", "handout", "--data_dir", str(data),
+               "--pretrain_max_epochs", "1", "--finetune_max_epochs", "1", "--n_layer", "1", "--n_head", "2",
+               "--n_embd", "16", "--output_dir", str(output_dir)]  # fmt: skip
+    started = time.time()
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    ended = time.time()
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((output_dir / "results.json").read_text())
+    stamps = [stamp for _, stamp in summary["timeline"]]
+    assert stamps == sorted(stamps) and started <= stamps[0] and stamps[-1] <= ended
+    rows = bench_user_path.breakdown(started, ended, summary)
+    labels = [label for label, _ in rows]
+    for expected in ("libraries imported", "pretrain: steps", "pretrain: compilation and graph capture",
+                     "finetune: steps", "dev questions answered and written", "exit"):  # fmt: skip
+        assert expected in labels
+    assert abs(sum(seconds for _, seconds in rows) - (ended - started)) < 1e-6
+    assert all(seconds >= 0 for _, seconds in rows)
+
+
+def test_phases_run_from_the_launch_to_the_exit():
+    assert phase_seconds(10.0, [("a", 11.0), ("b", 14.0)], 15.5) == [("a", 1.0), ("b", 3.0), ("exit", 1.5)]
