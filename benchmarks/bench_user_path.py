@@ -182,15 +182,15 @@ def main(argv=None):
 
     startup = results["startup"]
     print(f"\n{results.get('device', 'start-up only')}; whole processes, as a user waits")
-    print(f"{'import hf_knowgpt':<48}{startup['import_hf_knowgpt_s']:>8.2f} s")
-    print(f"{'scripts/pretrain.py --help':<48}{startup['pretrain_help_s']:>8.2f} s")
-    print(f"{'scripts/train.py --help':<48}{startup['train_help_s']:>8.2f} s")
+    print(f"{'import hf_knowgpt':<56}{startup['import_hf_knowgpt_s']:>8.2f} s")
+    print(f"{'scripts/pretrain.py --help':<56}{startup['pretrain_help_s']:>8.2f} s")
+    print(f"{'scripts/train.py --help':<56}{startup['train_help_s']:>8.2f} s")
     if args.startup_only:
         return results
     handout = results["handout_loop"]
     how = "whole recipe run" if handout["whole_recipe_run"] else "measured epochs and questions, the rest added"
     print(
-        f"{'the handouts own loop, ' + args.attention_type:<48}{handout['recipe_s']:>8.1f} s   ({how}: "
+        f"{'the handouts’ own loop, ' + args.attention_type:<56}{handout['recipe_s']:>8.1f} s   ({how}: "
         f"{sum(handout['pretrain_epoch_s'][1:]) / max(1, len(handout['pretrain_epoch_s']) - 1):.3f} s per "
         f"pretraining epoch, {1000 * handout['question_s']:.0f} ms per question"
         + (f", {handout['correct']} of {handout['questions']} right)" if handout["whole_recipe_run"] else ")")
@@ -198,10 +198,10 @@ def main(argv=None):
     for run in runs:
         row = results[run]
         print(
-            f"{'train.py ' + args.attention_type + ' bf16 compiled, ' + run:<48}{row['process_s']:>8.1f} s   "
+            f"{'train.py ' + args.attention_type + ' bf16 compiled, ' + run:<56}{row['process_s']:>8.1f} s   "
             f"{row['accuracy']}   ({handout['recipe_s'] / row['process_s']:.1f}× less than the handouts' loop)"
         )
-    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<48}{results['evaluate']['process_s']:>8.1f} s")
+    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<56}{results['evaluate']['process_s']:>8.1f} s")
     print(f"\nwhere the seconds go (train.py {args.attention_type}, bf16, compiled)")
     print(f"{'phase':<70}{'cold':>8}{'warm':>8}")
     for (label, cold), (_, warm) in zip(results["cold"]["breakdown_s"], results["warm"]["breakdown_s"]):
