@@ -9,6 +9,8 @@ On a GPU, in one run:
    --torch_compile` twice: cold (empty TorchInductor and Triton caches, as on a fresh machine) and warm
    (the same caches, a second run on the same machine); then the same run under `accelerate launch
    --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
+   --runs picks others: without --torch_compile (the fused kernels and CUDA graphs alone), cold and warm;
+   compiled with one compile thread (no pool of compile workers to start and stop).
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -35,6 +37,16 @@ from hf_knowgpt.utils.timeline import phase_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
+RUNS = (
+    "compiled-cold",
+    "compiled-warm",
+    "compiled-warm-one-compile-thread",
+    "compiled-warm-accelerate-launch",
+    "uncompiled-cold",
+    "uncompiled-warm",
+)
+DEFAULT_RUNS = ("compiled-cold", "compiled-warm", "compiled-warm-accelerate-launch")
+CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def accelerate_launch(mixed_precision: str) -> list[str]:
@@ -135,6 +147,12 @@ def main(argv=None):
         help="pretraining epochs, finetuning epochs and questions of the handouts' loop timed, the rest of "
         "their recipe added at the measured rates; 'all' runs their whole recipe (default 4,2,50)",
     )
+    parser.add_argument(
+        "--runs",
+        default=",".join(DEFAULT_RUNS),
+        help=f"train.py runs, in order, from {', '.join(RUNS)} (default {','.join(DEFAULT_RUNS)}); a cold run "
+        "empties the TorchInductor and Triton caches first, a warm one reuses what the runs before it left",
+    )
     parser.add_argument("--startup_only", action="store_true", help="only the start-up figures")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a new temporary one)")
     parser.add_argument("--output", default=None, help="write every measurement as JSON here")
@@ -142,32 +160,48 @@ def main(argv=None):
 
     results = {"startup": startup_times()}
     print(json.dumps(results["startup"]), flush=True)
-    runs = ("cold", "warm", "warm, accelerate launch")
+    runs = args.runs.split(",")
+    if unknown := set(runs) - set(RUNS):
+        parser.error(f"unknown --runs {sorted(unknown)}; choose from {', '.join(RUNS)}")
     if not args.startup_only:
         import torch
 
         results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         work = Path(args.workdir or tempfile.mkdtemp(prefix="knowgpt-user-path-"))
-        caches = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor"), "TRITON_CACHE_DIR": str(work / "triton")}
         data = Path(args.data_dir)
         recipe = ["--recipe", "handout", "--attention_type", args.attention_type, "--data_dir", data]
-        direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16", "--torch_compile"]
-        launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe, "--torch_compile"]
-        for run, command in zip(runs, (direct, direct, launched)):
-            output_dir = work / f"{run.split(',')[0]}-{len(results)}-run"
-            command = [*command, "--output_dir", output_dir]
+        direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16"]
+        launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe]
+        commands = {
+            "compiled-cold": [*direct, "--torch_compile"],
+            "compiled-warm": [*direct, "--torch_compile"],
+            "compiled-warm-one-compile-thread": [*direct, "--torch_compile"],
+            "compiled-warm-accelerate-launch": [*launched, "--torch_compile"],
+            "uncompiled-cold": direct,
+            "uncompiled-warm": direct,
+        }
+        for run in runs:
+            output_dir = work / f"run-{len(results)}"
+            command = [*commands[run], "--output_dir", output_dir]
+            env = {name: str(work / name) for name in CACHES}  # one set of caches, emptied by a cold run
+            if run.endswith("one-compile-thread"):
+                env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+            if run.endswith("-cold"):
+                for folder in CACHES:
+                    shutil.rmtree(env[folder], ignore_errors=True)
             clock = {}
-            seconds, output = timed(command, work / f"{output_dir.name}.log", env=caches, clock=clock)
+            seconds, output = timed(command, work / f"{output_dir.name}.log", env=env, clock=clock)
             summary = json.loads((output_dir / "results.json").read_text())
             results[run] = {
                 "command": " ".join(map(str, command)),
+                "env": env,
                 "output_dir": str(output_dir),
                 "process_s": seconds,
                 "accuracy": accuracy_line(output),
                 "breakdown_s": breakdown(clock["started"], clock["ended"], summary),
             }
             print(json.dumps(results[run]), flush=True)
-        checkpoint = Path(results["warm"]["output_dir"]) / "finetuned"
+        checkpoint = Path(results[runs[-1]]["output_dir"]) / "finetuned"
         seconds, output = timed(
             [sys.executable, SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path",
              data / "birth_dev.tsv", "--outputs_path", work / "evaluate.predictions"],
@@ -182,15 +216,15 @@ def main(argv=None):
 
     startup = results["startup"]
     print(f"\n{results.get('device', 'start-up only')}; whole processes, as a user waits")
-    print(f"{'import hf_knowgpt':<56}{startup['import_hf_knowgpt_s']:>8.2f} s")
-    print(f"{'scripts/pretrain.py --help':<56}{startup['pretrain_help_s']:>8.2f} s")
-    print(f"{'scripts/train.py --help':<56}{startup['train_help_s']:>8.2f} s")
+    print(f"{'import hf_knowgpt':<64}{startup['import_hf_knowgpt_s']:>8.2f} s")
+    print(f"{'scripts/pretrain.py --help':<64}{startup['pretrain_help_s']:>8.2f} s")
+    print(f"{'scripts/train.py --help':<64}{startup['train_help_s']:>8.2f} s")
     if args.startup_only:
         return results
     handout = results["handout_loop"]
     how = "whole recipe run" if handout["whole_recipe_run"] else "measured epochs and questions, the rest added"
     print(
-        f"{'the handouts’ own loop, ' + args.attention_type:<56}{handout['recipe_s']:>8.1f} s   ({how}: "
+        f"{'the handouts’ own loop, ' + args.attention_type:<64}{handout['recipe_s']:>8.1f} s   ({how}: "
         f"{sum(handout['pretrain_epoch_s'][1:]) / max(1, len(handout['pretrain_epoch_s']) - 1):.3f} s per "
         f"pretraining epoch, {1000 * handout['question_s']:.0f} ms per question"
         + (f", {handout['correct']} of {handout['questions']} right)" if handout["whole_recipe_run"] else ")")
@@ -198,15 +232,17 @@ def main(argv=None):
     for run in runs:
         row = results[run]
         print(
-            f"{'train.py ' + args.attention_type + ' bf16 compiled, ' + run:<56}{row['process_s']:>8.1f} s   "
+            f"{'train.py ' + args.attention_type + ' bf16, ' + run:<64}{row['process_s']:>8.1f} s   "
             f"{row['accuracy']}   ({handout['recipe_s'] / row['process_s']:.1f}× less than the handouts' loop)"
         )
-    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<56}{results['evaluate']['process_s']:>8.1f} s")
-    print(f"\nwhere the seconds go (train.py {args.attention_type}, bf16, compiled)")
-    print(f"{'phase':<70}{'cold':>8}{'warm':>8}")
-    for (label, cold), (_, warm) in zip(results["cold"]["breakdown_s"], results["warm"]["breakdown_s"]):
-        print(f"{label:<70}{cold:>8.1f}{warm:>8.1f}")
-    print(f"{'whole process':<70}{results['cold']['process_s']:>8.1f}{results['warm']['process_s']:>8.1f}")
+    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<64}{results['evaluate']['process_s']:>8.1f} s")
+    print(f"\nwhere the seconds go (train.py {args.attention_type}, bf16); columns: " + "; ".join(
+        f"{i + 1} = {run}" for i, run in enumerate(runs)))  # fmt: skip
+    print(f"{'phase':<70}" + "".join(f"{i + 1:>8}" for i in range(len(runs))))
+    columns = [dict(results[run]["breakdown_s"]) for run in runs]
+    for label in dict.fromkeys(label for run in runs for label, _ in results[run]["breakdown_s"]):
+        print(f"{label:<70}" + "".join(f"{column.get(label, 0.0):>8.1f}" for column in columns))
+    print(f"{'whole process':<70}" + "".join(f"{results[run]['process_s']:>8.1f}" for run in runs))
     return results
 
 
