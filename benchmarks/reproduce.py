@@ -7,8 +7,9 @@ run as a user runs it, once per seed.
 
 A variant is a base and options. Bases: `vanilla-nopretrain` (the handouts' finetuning from scratch),
 `vanilla`, `rope`, `synthesizer`, `perceiver` (the handouts' recipe with that attention), `knowledge`
-(`--recipe knowledge`) and `quickstart` (`--recipe quickstart`, for the synthetic corpus). Each option `+name=value` adds `--name value` to the command, `+name=on` adds
-`--name` and `+name=off` adds `--no_name`: `knowledge+n_embd=512+pretrain_max_epochs=500`,
+(`--recipe knowledge`) and `quickstart` (`--recipe quickstart`, for the synthetic corpus). Each option
+`+name=value` adds `--name value` to the command, `+name=on` adds `--name` and `+name=off` adds
+`--no_name`: `knowledge+n_embd=512+pretrain_max_epochs=500`,
 `knowledge+do_finetune=on+finetune_recipe=handout`. So every row is a command a user can type, printed
 before it runs; its whole wall time (interpreter, imports, compilation, training, evaluation) is recorded.
 

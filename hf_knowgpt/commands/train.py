@@ -73,11 +73,12 @@ def run_config(args):
 def main(argv=None):
     from ..utils import timeline
 
+    timeline.reset()
     timeline.mark("interpreter and command start-up")
     args = parse_args(argv)
     config, files = run_config(args)
     cli.print_run_config(config)
-    timeline.mark("flags and recipe resolved")
+    timeline.mark("flags read, recipe resolved (first imports of torch and transformers)")
     from ..training import workflows
 
     timeline.mark("libraries imported")

@@ -2,11 +2,16 @@
 
 Each mark is `(label, time.time())`, named after the phase that just ended; wall-clock stamps compare with
 the clock of the process that launched this one, which also saw the interpreter start and the exit. A
-whole-recipe run writes its marks to `results.json` as `timeline`."""
+command starts afresh (`reset`), and a whole-recipe run writes the marks since then to `results.json` as
+`timeline`."""
 
 import time
 
 _marks: list[tuple[str, float]] = []
+
+
+def reset() -> None:
+    _marks.clear()
 
 
 def mark(label: str) -> None:
