@@ -134,10 +134,10 @@ def main(argv=None):
     torch.save(model.state_dict(), output_dir / "finetuned.params")
     marks["finetuning"] = time.time()
     lines = open(data_dir / "birth_dev.tsv", encoding="utf-8").read().strip("\n").split("\n")[: args.questions]
+    unknown_id = pretraining.tokenizer.unk_token_id
     started, correct = time.perf_counter(), 0
     for line in lines:
         question, place = line.split("\t")
-        unknown_id = pretraining.tokenizer.unk_token_id
         correct += answer(model, question, pretraining.stoi, pretraining.itos, unknown_id, block_size, device) == place
     per_question = (time.perf_counter() - started) / len(lines)
     marks["evaluation"] = time.time()
