@@ -2,11 +2,14 @@
 """The handouts' recipe through the scripts on one GPU and on several (`accelerate launch --num_processes N`),
 one after the other on the same machine. Prints a table last.
 
-    python benchmarks/bench_processes.py --data_dir .data --processes 1,2 --mixed_precision bf16 --torch_compile
+    python benchmarks/bench_processes.py --data_dir .data --processes 1,2,4 --mixed_precision bf16
+    python benchmarks/bench_processes.py --data_dir .data --processes 1,2,4 --mixed_precision bf16 \
+        --pretrain_args "--n_embd 512 --n_head 8" --epochs 100 --pretrain_only
 
 For each attention type and process count it runs, as a user would, `accelerate launch scripts/pretrain.py`
 (650 epochs of wiki.txt unless --epochs), `accelerate launch scripts/finetune.py` (10 epochs) with the same
-number of processes, then `scripts/evaluate_checkpoint.py` on birth_dev.tsv, and reports each stage's wall time, the
+number of processes, then `scripts/evaluate_checkpoint.py` on birth_dev.tsv (`--pretrain_only`: the
+pretraining alone, for model sizes the handouts do not finetune), and reports each stage's wall time, the
 pretraining's training seconds with and without warm-up (graph capture and compilation), its speedup over
 the first process count, the loss at a few steps (same global batches and semantics: the curves should agree
 up to rounding) and the dev accuracy. Every process count is timed on the same machine in the same run.
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -62,9 +66,33 @@ def run_one(args, attention_type: str, processes: int, work: Path) -> dict:
     finetune_epochs = ["--max_epochs", args.finetune_epochs] if args.finetune_epochs else []
     pretrain_seconds, _ = timed(
         launch(processes, args.mixed_precision, "pretrain.py", "--attention_type", attention_type,
-               "--pretrain_corpus_path", data / "wiki.txt", "--output_dir", pretrained, *epochs, *common),
+               "--pretrain_corpus_path", data / "wiki.txt", "--output_dir", pretrained, *epochs, *common,
+               *shlex.split(args.pretrain_args)),
         work / f"{attention_type}-{processes}-pretrain.log",
     )  # fmt: skip
+    results = json.loads((pretrained / "train_results.json").read_text())
+    row = {
+        "attention_type": attention_type,
+        "processes": processes,
+        "pretrain_args": args.pretrain_args,
+        "device": results["device"],
+        "num_processes": results["num_processes"],
+        "mixed_precision": results["mixed_precision"],
+        "steps": results["global_step"],
+        "pretrain_wall_s": pretrain_seconds,
+        "pretrain_train_s": results["train_seconds"],
+        "pretrain_warmup_s": results["warmup_seconds"],
+        "pretrain_steps_s": results["train_seconds"] - results["warmup_seconds"],
+        "final_loss": results["final_loss"],
+        "loss_at": {step: loss_at(results["loss_curve"], step) for step in LOSS_STEPS},
+        "finetune_wall_s": None,
+        "finetune_train_s": None,
+        "evaluate_wall_s": None,
+        "dev_correct": None,
+        "dev_total": None,
+    }
+    if args.pretrain_only:
+        return row
     finetune_seconds, _ = timed(
         launch(processes, args.mixed_precision, "finetune.py", "--model_name_or_path", pretrained,
                "--pretrain_corpus_path", data / "wiki.txt", "--finetune_corpus_path",
@@ -77,27 +105,19 @@ def run_one(args, attention_type: str, processes: int, work: Path) -> dict:
         work / f"{attention_type}-{processes}-evaluate.log",
     )  # fmt: skip
     correct = re.search(r"Correct: (\d+) out of (\d+)", output)
-    results = json.loads((pretrained / "train_results.json").read_text())
     finetune_results = json.loads((finetuned / "train_results.json").read_text())
-    return {
-        "attention_type": attention_type,
-        "processes": processes,
-        "device": results["device"],
-        "num_processes": results["num_processes"],
-        "mixed_precision": results["mixed_precision"],
-        "steps": results["global_step"],
-        "pretrain_wall_s": pretrain_seconds,
-        "pretrain_train_s": results["train_seconds"],
-        "pretrain_warmup_s": results["warmup_seconds"],
-        "pretrain_steps_s": results["train_seconds"] - results["warmup_seconds"],
-        "finetune_wall_s": finetune_seconds,
-        "finetune_train_s": finetune_results["train_seconds"],
-        "evaluate_wall_s": evaluate_seconds,
-        "final_loss": results["final_loss"],
-        "loss_at": {step: loss_at(results["loss_curve"], step) for step in LOSS_STEPS},
-        "dev_correct": int(correct.group(1)) if correct else None,
-        "dev_total": int(correct.group(2)) if correct else None,
-    }
+    row.update(
+        finetune_wall_s=finetune_seconds,
+        finetune_train_s=finetune_results["train_seconds"],
+        evaluate_wall_s=evaluate_seconds,
+        dev_correct=int(correct.group(1)) if correct else None,
+        dev_total=int(correct.group(2)) if correct else None,
+    )
+    return row
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main():
@@ -110,6 +130,10 @@ def main():
     parser.add_argument("--epochs", type=int, default=None, help="pretraining epochs (default: the recipe's 650)")
     parser.add_argument("--finetune_epochs", type=int, default=None, help="finetuning epochs (default: 10)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pretrain_args", default="", help='more flags for pretrain.py, e.g. "--n_embd 512 --n_head 8"'
+    )
+    parser.add_argument("--pretrain_only", action="store_true", help="time the pretraining alone")
     parser.add_argument("--work_dir", default="outputs/bench_processes")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -125,7 +149,10 @@ def main():
             if args.output:
                 Path(args.output).write_text(json.dumps(rows, indent=2) + "\n")
 
-    print(f"\n{rows[0]['device']}, {rows[0]['mixed_precision']}, torch.compile {args.torch_compile}")
+    print(
+        f"\n{rows[0]['device']}, {rows[0]['mixed_precision']}, torch.compile {args.torch_compile}, "
+        f"pretrain.py flags {args.pretrain_args or 'none'}"
+    )
     header = (
         f"{'attention':<12}{'procs':>6}{'pretrain wall s':>16}{'train s':>9}{'warm-up s':>10}{'steps s':>9}"
         f"{'speedup':>8}{'finetune wall s':>16}{'eval wall s':>12}  {'loss @1400/2300/4600/9000/end':<32}{'dev':>7}"
@@ -139,7 +166,8 @@ def main():
         print(
             f"{row['attention_type']:<12}{row['processes']:>6}{row['pretrain_wall_s']:>16.1f}"
             f"{row['pretrain_train_s']:>9.1f}{row['pretrain_warmup_s']:>10.1f}{row['pretrain_steps_s']:>9.1f}"
-            f"{base / row['pretrain_steps_s']:>7.2f}×{row['finetune_wall_s']:>16.1f}{row['evaluate_wall_s']:>12.1f}"
+            f"{base / row['pretrain_steps_s']:>7.2f}×{seconds(row['finetune_wall_s']):>16}"
+            f"{seconds(row['evaluate_wall_s']):>12}"
             f"  {losses:<32}{dev:>7}"
         )
 
