@@ -33,6 +33,7 @@ from .attention_knowgpt import (
     ATTENTION_FUNCTIONS,
     AttentionContext,
     KnowGPTCrossAttention,
+    KnowGPTDropout,
     KnowGPTSelfAttention,
     KnowGPTSynthesizerAttention,
     TokenGrid,
@@ -66,7 +67,7 @@ class KnowGPTMLP(nn.Module):
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.act = nn.GELU()
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.dropout = nn.Dropout(config.resid_pdrop)
+        self.dropout = KnowGPTDropout(config.resid_pdrop)
 
     def forward(self, hidden_states):
         return self.dropout(self.proj(self.act(self.fc(hidden_states))))
@@ -194,7 +195,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         super().__init__(config)
         self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_emb = None if config.attention_type == "rope" else nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.embd_pdrop)
+        self.drop = KnowGPTDropout(config.embd_pdrop)
         if config.attention_type == "perceiver":
             self.down_block = KnowGPTPerceiverDownBlock(config)
             self.blocks = nn.ModuleList(KnowGPTBlock(config, i) for i in range(config.n_layer - 2))

@@ -247,3 +247,30 @@ def test_checkpoint_loads_with_trust_remote_code_without_the_package(attention_t
         assert torch.equal(model(probe["ids"]).logits, probe["expected"])
         """,
     )
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+def test_cpu_dropout_drops_at_rate_p_scales_to_keep_the_mean_and_repeats_with_the_seed(p):
+    dropout = attention_knowgpt.KnowGPTDropout(p).train()
+    states = torch.ones(400, 1000, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(3)
+    dropped = dropout(states)
+    kept = dropped != 0
+    assert abs(1 - kept.double().mean().item() - p) < 0.005  # 400k draws: 0.005 is > 10 standard deviations
+    assert dropped.mean().item() == pytest.approx(1.0, abs=0.01)
+    assert torch.allclose(dropped[kept], torch.full_like(dropped[kept], dropped[kept][0].item()))
+    dropped.sum().backward()
+    assert torch.equal(states.grad, dropped.detach())  # the gradient passes where the value did, equally scaled
+    torch.manual_seed(3)
+    assert torch.equal(dropout(states), dropped)
+    assert not torch.equal(dropout(states), dropped)  # fresh draws on the next call
+    assert torch.equal(dropout.eval()(states), states)
+
+
+def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four():
+    dropout = attention_knowgpt.KnowGPTDropout(0.5).train()
+    for shape in [(1,), (3, 7), (2, 5, 9)]:
+        states = torch.randn(shape, dtype=torch.bfloat16)
+        dropped = dropout(states)
+        assert dropped.shape == states.shape and dropped.dtype == torch.bfloat16
+        assert torch.all((dropped == 0) | torch.isclose(dropped, 2 * states))
