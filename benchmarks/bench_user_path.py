@@ -9,8 +9,9 @@ On a GPU, in one run:
    --torch_compile` twice: cold (empty TorchInductor and Triton caches, as on a fresh machine) and warm
    (the same caches, a second run on the same machine); then the same run under `accelerate launch
    --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
-   --runs picks others: without --torch_compile (the fused kernels and CUDA graphs alone), cold and warm;
-   compiled with one compile thread (no pool of compile workers to start and stop).
+   --runs picks others: without --torch_compile (the fused kernels and CUDA graphs alone), cold and warm,
+   with or without `--fused_layers`; compiled with one compile thread (no pool of compile workers to start
+   and stop).
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -44,6 +45,8 @@ RUNS = (
     "compiled-warm-accelerate-launch",
     "uncompiled-cold",
     "uncompiled-warm",
+    "uncompiled-cold-fused-layers",
+    "uncompiled-warm-fused-layers",
 )
 DEFAULT_RUNS = ("compiled-cold", "compiled-warm", "compiled-warm-accelerate-launch")
 CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -179,6 +182,8 @@ def main(argv=None):
             "compiled-warm-accelerate-launch": [*launched, "--torch_compile"],
             "uncompiled-cold": direct,
             "uncompiled-warm": direct,
+            "uncompiled-cold-fused-layers": [*direct, "--fused_layers"],
+            "uncompiled-warm-fused-layers": [*direct, "--fused_layers"],
         }
         for run in runs:
             output_dir = work / f"run-{len(results)}"
@@ -186,7 +191,7 @@ def main(argv=None):
             env = {name: str(work / name) for name in CACHES}  # one set of caches, emptied by a cold run
             if run.endswith("one-compile-thread"):
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-            if run.endswith("-cold"):
+            if "-cold" in run:
                 for folder in CACHES:
                     shutil.rmtree(env[folder], ignore_errors=True)
             clock = {}

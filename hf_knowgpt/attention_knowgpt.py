@@ -121,6 +121,7 @@ class AttentionContext:
     `causal_only` marks the training case (no cache, no padding mask): attention is plain causal
     over the index and the fused kernels run without an explicit mask. `implementation` is the attention
     implementation of this call: the config's, or "eager" when the attention weights are asked for.
+    `fused_layers`: the blocks' fused residual kernels run this call (`KnowGPTModel.fused_layers`).
     """
 
     query_positions: torch.Tensor  # (B or 1, Tq)
@@ -129,6 +130,9 @@ class AttentionContext:
     causal_only: bool
     positions_are_indices: bool = False  # query t (of every row) is at position t: no position_ids, no past
     implementation: str = "sdpa"
+    # the blocks' fused kernels (`hf_knowgpt.kernels.fused_layers`) run this call: each block then drops out
+    # the attention branch inside its residual + LayerNorm kernel, so the attention layer returns it undropped
+    fused_layers: bool = False
 
     def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
         """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
@@ -283,6 +287,13 @@ def reads_packed_tokens(grid: "TokenGrid", context: "AttentionContext", cache, b
     )
 
 
+def branch_output(layer: nn.Module, attended: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    """An attention layer's heads projected back to the residual stream (`layer.proj`), dropped out
+    (`layer.resid_dropout`) unless the block's fused residual kernel drops the branch out itself."""
+    projected = layer.proj(attended)
+    return projected if context.fused_layers else layer.resid_dropout(projected)
+
+
 class KnowGPTSelfAttention(nn.Module):
     """Causal multi-head self-attention (vanilla), with rotary queries and keys when `rotary`."""
 
@@ -323,7 +334,7 @@ class KnowGPTSelfAttention(nn.Module):
                 query, key, value, scale, dropout_p,
                 lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, rotary=rotary,
             )  # fmt: skip
-            return self.resid_dropout(self.proj(attended.flatten(-2))), None
+            return branch_output(self, attended.flatten(-2), context), None
         if packed_kernel:  # the kernel does not take these tensors after all: through the grid as usual
             query, key, value = (grid.to_grid(states) for states in (query, key, value))
         if self.rotary:
@@ -344,7 +355,7 @@ class KnowGPTSelfAttention(nn.Module):
             is_causal=context.causal_only,
             lengths=grid.row_lengths,
         )
-        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended)))), weights
+        return branch_output(self, grid.from_grid(merge_heads(attended)), context), weights
 
 
 class KnowGPTSynthesizerAttention(nn.Module):
@@ -383,7 +394,7 @@ class KnowGPTSynthesizerAttention(nn.Module):
                     features, keys, value, 1.0, dropout_p,
                     lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, bias=self.b2,
                 )  # fmt: skip
-                return self.resid_dropout(self.proj(attended.flatten(-2))), None
+                return branch_output(self, attended.flatten(-2), context), None
             features, value = (grid.to_grid(states.flatten(-2)) for states in (features, value))
         features, value = split_heads(features, self.n_head), split_heads(value, self.n_head)
         # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t.
@@ -403,7 +414,7 @@ class KnowGPTSynthesizerAttention(nn.Module):
             dropout_p=dropout_p,
             is_causal=False,
         )
-        return self.resid_dropout(self.proj(grid.from_grid(merge_heads(attended)))), weights
+        return branch_output(self, grid.from_grid(merge_heads(attended)), context), weights
 
 
 class KnowGPTCrossAttention(nn.Module):

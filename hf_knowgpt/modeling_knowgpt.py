@@ -61,6 +61,17 @@ def _deprecated_cache_keyword(forward):
     return deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")(forward)
 
 
+def _fused_layers():
+    """`hf_knowgpt.kernels.fused_layers`, imported when a model first runs it (only training on a GPU with
+    Triton does: `KnowGPTModel.fused_layers`). Inside try, so that a checkpoint's copy of this file loaded with
+    `trust_remote_code` does not require the package."""
+    try:
+        from hf_knowgpt.kernels import fused_layers
+    except ModuleNotFoundError as missing:
+        raise ModuleNotFoundError("KnowGPTModel.fused_layers needs the hf_knowgpt package installed") from missing
+    return fused_layers
+
+
 class KnowGPTMLP(nn.Module):
     def __init__(self, config: KnowGPTConfig):
         super().__init__()
@@ -69,8 +80,12 @@ class KnowGPTMLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.dropout = KnowGPTDropout(config.resid_pdrop)
 
-    def forward(self, hidden_states):
-        return self.dropout(self.proj(self.act(self.fc(hidden_states))))
+    def forward(self, hidden_states, fused: bool = False):
+        if fused:  # the bias and GELU in one pass over the hidden activations (one kernel each way)
+            activated = _fused_layers().fused_bias_gelu(F.linear(hidden_states, self.fc.weight), self.fc.bias)
+        else:
+            activated = self.act(self.fc(hidden_states))
+        return self.dropout(self.proj(activated))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
@@ -89,6 +104,12 @@ class KnowGPTBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, grid, context, cache=None):
         attended, weights = self.attn(self.ln1(hidden_states), grid, context, cache)
+        if context.fused_layers:  # dropout, residual sum and ln2 in one kernel; the branch comes undropped
+            ln2 = self.ln2
+            hidden_states, normalized = _fused_layers().fused_residual_layer_norm(
+                hidden_states, attended, ln2.weight, ln2.bias, ln2.eps, self.attn.resid_dropout.p, self.training
+            )
+            return hidden_states + self.mlp(normalized, fused=True), weights
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
@@ -189,7 +210,14 @@ class KnowGPTPreTrainedModel(PreTrainedModel):
 
 
 class KnowGPTModel(KnowGPTPreTrainedModel):
-    """The KnowGPT backbone: embeddings, blocks and final LayerNorm; returns the last hidden states."""
+    """The KnowGPT backbone: embeddings, blocks and final LayerNorm; returns the last hidden states.
+
+    `fused_layers` (off unless set; the trainer sets it for uncompiled training on a GPU with Triton): in
+    training, each block computes its attention branch's dropout, the residual sum and ln2 in one Triton
+    kernel and the MLP's bias and GELU in another (`hf_knowgpt.kernels.fused_layers`).
+    """
+
+    fused_layers = False
 
     def __init__(self, config: KnowGPTConfig):
         super().__init__(config)
@@ -277,6 +305,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             implementation = "eager"
         context = self._attention_context(batch_size, seq_len, past_length, attention_mask, position_ids)
         context.implementation = implementation
+        context.fused_layers = self.fused_layers and self.training
         grid = TokenGrid(batch_size, seq_len, token_index)
         if inputs_embeds is None:
             inputs_embeds = self.tok_emb(grid.from_grid(input_ids))

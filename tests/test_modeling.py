@@ -274,3 +274,26 @@ def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four()
         dropped = dropout(states)
         assert dropped.shape == states.shape and dropped.dtype == torch.bfloat16
         assert torch.all((dropped == 0) | torch.isclose(dropped, 2 * states))
+
+
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_layers_train_as_the_plain_blocks(attention_type, packed):
+    """Without dropout, a training step through the fused residual + LayerNorm and bias + GELU (the kernels
+    under TRITON_INTERPRET=1 or on a GPU, their plain fallbacks elsewhere) gives the plain blocks' loss and
+    gradients; in evaluation the flag changes nothing."""
+    ids = random_ids(3, 12)
+    token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate([12, 7, 3])]) if packed else None
+    results = []
+    for fused in (False, True):
+        model = make_model(attention_type, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
+        model.transformer.fused_layers = fused
+        out = model(ids, labels=ids, token_index=token_index, use_cache=False)
+        out.loss.backward()
+        results.append((out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+        with torch.no_grad():
+            assert torch.equal(model.eval()(ids).logits, make_model(attention_type)(ids).logits)
+    (plain_loss, plain_grads), (fused_loss, fused_grads) = results
+    assert torch.allclose(plain_loss, fused_loss, atol=1e-6)
+    for name in plain_grads:
+        assert torch.allclose(plain_grads[name], fused_grads[name], atol=1e-5), name

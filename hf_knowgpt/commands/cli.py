@@ -206,6 +206,11 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
         "--fused_attention", dest=f"{section}.fused_attention", action=BooleanFlag,
         help="bf16 on a GPU: the fused Triton attention kernel (default on)",
     )  # fmt: skip
+    group.add_argument(
+        "--fused_layers", dest=f"{section}.fused_layers", action=BooleanFlag,
+        help="on a GPU without --torch_compile: each block's dropout, residual and LayerNorm, and its MLP's bias "
+        "and GELU, as fused Triton kernels (default off)",
+    )  # fmt: skip
     _value(
         group, "--logging_steps", f"{section}.log_every", "steps between loss reports (50)",
         aliases=["--log_every"], type=int,

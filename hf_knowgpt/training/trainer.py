@@ -413,6 +413,11 @@ class KnowGPTTrainer:
 
             if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
                 unwrapped.set_attn_implementation("triton")
+            if args.fused_layers and not args.compile and path == "graphed":
+                from ..kernels.fused_layers import fused_layers_available
+
+                # compiled steps fuse these operations themselves
+                unwrapped.transformer.fused_layers = fused_layers_available()
             torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
             torch.backends.cudnn.allow_tf32 = True
             # Weight gradients sum over ~15k positions; split-K partial sums kept in bf16 lose them.
@@ -476,6 +481,7 @@ class KnowGPTTrainer:
         progress.close()
         seconds = time.perf_counter() - started
         unwrapped.config._attn_implementation = attn_implementation
+        unwrapped.transformer.fused_layers = False
         if args.report_to:  # not end_training(): it also ends the process group, which a next stage needs
             for tracker in accelerator.trackers:
                 tracker.finish()
