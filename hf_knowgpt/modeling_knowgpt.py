@@ -80,12 +80,10 @@ class KnowGPTMLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.dropout = KnowGPTDropout(config.resid_pdrop)
 
-    def forward(self, hidden_states, fused: bool = False):
-        if fused:  # the bias and GELU in one pass over the hidden activations (one kernel each way)
-            activated = _fused_layers().fused_bias_gelu(F.linear(hidden_states, self.fc.weight), self.fc.bias)
-        else:
-            activated = self.act(self.fc(hidden_states))
-        return self.dropout(self.proj(activated))
+    def forward(self, hidden_states):
+        # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
+        # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
+        return self.dropout(self.proj(self.act(self.fc(hidden_states))))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
@@ -109,7 +107,7 @@ class KnowGPTBlock(GradientCheckpointingLayer):
             hidden_states, normalized = _fused_layers().fused_residual_layer_norm(
                 hidden_states, attended, ln2.weight, ln2.bias, ln2.eps, self.attn.resid_dropout.p, self.training
             )
-            return hidden_states + self.mlp(normalized, fused=True), weights
+            return hidden_states + self.mlp(normalized), weights
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
@@ -214,7 +212,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
 
     `fused_layers` (off unless set; the trainer sets it for uncompiled training on a GPU with Triton): in
     training, each block computes its attention branch's dropout, the residual sum and ln2 in one Triton
-    kernel and the MLP's bias and GELU in another (`hf_knowgpt.kernels.fused_layers`).
+    kernel (`hf_knowgpt.kernels.fused_layers`).
     """
 
     fused_layers = False

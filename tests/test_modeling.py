@@ -279,9 +279,9 @@ def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four()
 @pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_layers_train_as_the_plain_blocks(attention_type, packed):
-    """Without dropout, a training step through the fused residual + LayerNorm and bias + GELU (the kernels
-    under TRITON_INTERPRET=1 or on a GPU, their plain fallbacks elsewhere) gives the plain blocks' loss and
-    gradients; in evaluation the flag changes nothing."""
+    """Without dropout, a training step through the fused residual + LayerNorm (the kernel under
+    TRITON_INTERPRET=1 or on a GPU, its plain fallback elsewhere) gives the plain blocks' loss and gradients;
+    in evaluation the flag changes nothing."""
     ids = random_ids(3, 12)
     token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate([12, 7, 3])]) if packed else None
     results = []

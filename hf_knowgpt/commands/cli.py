@@ -208,8 +208,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
     )  # fmt: skip
     group.add_argument(
         "--fused_layers", dest=f"{section}.fused_layers", action=BooleanFlag,
-        help="on a GPU without --torch_compile: each block's dropout, residual and LayerNorm, and its MLP's bias "
-        "and GELU, as fused Triton kernels (default off)",
+        help="on a GPU without --torch_compile: each block's dropout, residual sum and LayerNorm as one fused "
+        "Triton kernel (default off)",
     )  # fmt: skip
     _value(
         group, "--logging_steps", f"{section}.log_every", "steps between loss reports (50)",

@@ -139,11 +139,18 @@ if triton is not None:
         return rotated
 
     @triton.jit
+    def _dropout_keep_at(seed_pointer, offsets, dropout_p):
+        """Whether the elements numbered `offsets` survive dropout: a uniform (Philox) per number from the
+        call's seed, so a backward kernel regenerates the mask instead of reading a stored one. Shared with
+        `fused_layers`, so all the kernels draw their masks one way."""
+        return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
+
+    @triton.jit
     def _dropout_keep(seed_pointer, program, rows, cols, ROW_STRIDE: tl.constexpr, dropout_p):
         """Which weights survive dropout: one uniform per (batch·head, query, key) from the call's seed,
         drawn identically by the forward and the backward kernel, whatever their block size."""
         offsets = program * ROW_STRIDE * ROW_STRIDE + rows[:, None] * ROW_STRIDE + cols[None, :]
-        return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
+        return _dropout_keep_at(seed_pointer, offsets, dropout_p)
 
     @triton.jit
     def _dot(a, b, acc, INTERPRETED: tl.constexpr):

@@ -37,8 +37,8 @@ class TrainingArguments:
     # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
     # (attn_implementation "triton", hf_knowgpt.kernels.fused_attention) for the run, when Triton is installed.
     fused_attention: bool = True
-    # On a CUDA fast path without --torch_compile, each block's dropout + residual + ln2 and its MLP's bias + GELU
-    # run as fused Triton kernels (KnowGPTModel.fused_layers, hf_knowgpt.kernels.fused_layers), when installed.
+    # On a CUDA fast path without --torch_compile, each block's dropout + residual + ln2 runs as one fused Triton
+    # kernel (KnowGPTModel.fused_layers, hf_knowgpt.kernels.fused_layers), when Triton is installed.
     fused_layers: bool = False
     # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
     # whole run): the first part of a long run, for studies of early training. None: run to the end.

@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""The fused residual + dropout + LayerNorm and bias + GELU kernels (`hf_knowgpt.kernels.fused_layers`)
+against the plain PyTorch composition, forward + backward, on a CUDA GPU. Prints a table last.
+
+    python benchmarks/bench_fused_layers.py [--reps 200] [--dropout 0.1]
+
+Shapes: the handouts' (16384 rows = 128 sequences × 128 positions, n_embd 256) and the knowledge runs'
+(65536 rows, n_embd 512); the MLP's GELU runs on rows 4·n_embd wide. Dtypes: `fp32` (all fp32), `autocast`
+(as the model trains under bf16 autocast: the residual stream fp32, the branch and the MLP's hidden states
+bf16, parameters fp32), `bf16` (all activations bf16, parameters fp32). PyTorch runs under bf16 autocast
+for the last two, as the model does. `torch` for bias + GELU is gelu(x + bias) in x's dtype; `torch gelu
+only` times gelu(x) alone, what the model pays when the bias is added inside the matmul, the bound a fused
+bias + GELU must beat. Each time is the median of `--reps` forward + backward passes, timed with CUDA events:
+`graphed`, one CUDA graph of the pass replayed (GPU time alone, as the graphed training step runs it), and
+`eager`, the pass launched from Python (launch overhead included: at the handouts' shape it dominates).
+The speed-up compares graphed times.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_knowgpt.kernels import fused_layers  # noqa: E402
+from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
+
+SHAPES = {"handout": (16384, 256), "knowledge": (65536, 512)}
+EPS = 1e-5
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=200, help="timed forward + backward passes per variant")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed passes first (compilation, caches)")
+    parser.add_argument("--dropout", type=float, default=0.1, help="dropout on the residual branch")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="row shapes")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["fp32", "autocast", "bf16"], choices=["fp32", "autocast", "bf16"],
+        help="fp32; the model's bf16 autocast (fp32 residual stream, bf16 branch); bf16 activations",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tile_elements", type=int, default=None,
+        help=f"elements per program tile, for tuning (default fused_layers.TILE_ELEMENTS = {fused_layers.TILE_ELEMENTS})",
+    )  # fmt: skip
+    return parser.parse_args()
+
+
+def median_ms(step, reps: int, warmup: int) -> float:
+    """Median over `reps` of one call of `step`, each between its own pair of CUDA events."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def graphed(step):
+    """`step` captured in a CUDA graph (after warm-up passes on a side stream, as capture requires): its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def forward_backward(function, inputs, autocast: bool):
+    """One training step's share of `function`: its outputs, then the gradients of all `inputs` for fixed
+    output gradients (made once, on the first call)."""
+    output_grads = []
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            outputs = function(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if not output_grads:
+            output_grads.extend(torch.randn_like(output) for output in outputs)
+        torch.autograd.grad(outputs, inputs, output_grads)
+
+    return step
+
+
+def layer_inputs(rows, width, dtype):
+    activation = {"fp32": torch.float32, "autocast": torch.bfloat16, "bf16": torch.bfloat16}[dtype]
+    residual_dtype = torch.float32 if dtype == "autocast" else activation
+
+    def tensor(shape, tensor_dtype):
+        return torch.randn(shape, device="cuda").to(tensor_dtype).requires_grad_()
+
+    layer = (tensor((rows, width), residual_dtype), tensor((rows, width), activation))
+    layer += (tensor(width, torch.float32), tensor(width, torch.float32))
+    gelu = (tensor((rows, 4 * width), activation), tensor(4 * width, torch.float32))
+    return layer, gelu
+
+
+def main():
+    args = parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_fused_layers.py times CUDA kernels: it needs a CUDA GPU (none is visible here).")
+    if fused_layers.triton is None:
+        sys.exit("bench_fused_layers.py needs Triton (it ships with CUDA builds of torch).")
+    if args.tile_elements is not None:
+        fused_layers.TILE_ELEMENTS = args.tile_elements
+    print(f"device: {describe_device()}, torch {torch.__version__}, triton {fused_layers.triton.__version__}")
+    p = args.dropout
+
+    def torch_layer(residual, branch, weight, bias):
+        return fused_layers.residual_layer_norm_reference(residual, branch, weight, bias, EPS, p, True)
+
+    def fused_layer(residual, branch, weight, bias):
+        return fused_layers.fused_residual_layer_norm(residual, branch, weight, bias, EPS, p, True)
+
+    rows_out = []
+    for shape_name in args.shapes:
+        rows, width = SHAPES[shape_name]
+        for dtype in args.dtypes:
+            torch.manual_seed(0)
+            layer, gelu = layer_inputs(rows, width, dtype)
+            autocast = dtype != "fp32"
+            variants = [
+                (f"residual+dropout({p})+LN", (rows, width), "torch", forward_backward(torch_layer, layer, autocast)),
+                (f"residual+dropout({p})+LN", (rows, width), "fused", forward_backward(fused_layer, layer, False)),
+                ("bias+GELU", (rows, 4 * width), "torch", forward_backward(fused_layers.bias_gelu_reference, gelu, False)),
+                ("bias+GELU", (rows, 4 * width), "torch gelu only", forward_backward(F.gelu, gelu[:1], False)),
+                ("bias+GELU", (rows, 4 * width), "fused", forward_backward(fused_layers.fused_bias_gelu, gelu, False)),
+            ]  # fmt: skip
+            baseline = {}
+            for group, group_shape, variant, step in variants:
+                eager_ms = median_ms(step, args.reps, args.warmup)
+                graph_ms = median_ms(graphed(step), args.reps, args.warmup)
+                baseline.setdefault(group, graph_ms)  # each group's first variant: plain PyTorch
+                shape = f"{group_shape[0]}×{group_shape[1]}"
+                rows_out.append((group, shape, dtype, variant, graph_ms, eager_ms, baseline[group] / graph_ms))
+                print(
+                    f"  {group} {shape} {dtype} {variant}: {graph_ms:.3f} ms graphed, {eager_ms:.3f} eager", flush=True
+                )
+            del layer, gelu
+            torch.cuda.empty_cache()
+
+    header = ("op", "shape", "dtype", "variant")
+    widths = [max(len(header[i]), *(len(str(row[i])) for row in rows_out)) for i in range(4)]
+    print(f"\ntile elements: {fused_layers.TILE_ELEMENTS}, dropout {p}, median of {args.reps}")
+    print(" | ".join(h.ljust(w) for h, w in zip(header, widths)) + " | graphed ms |   eager ms | speed-up (graphed)")
+    for *cells, graph_ms, eager_ms, ratio in rows_out:
+        print(
+            " | ".join(c.ljust(w) for c, w in zip(cells, widths))
+            + f" | {graph_ms:10.3f} | {eager_ms:10.3f} | {ratio:.2f}×"
+        )
+
+
+if __name__ == "__main__":
+    main()

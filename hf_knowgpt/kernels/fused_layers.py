@@ -1,0 +1,367 @@
+"""Fused Triton kernels for the elementwise and row-wise work of a transformer block's training step.
+
+Why: around its matrix products a pre-LayerNorm block spends its time moving activations. Unfused, the
+residual add with dropout and the next LayerNorm take four kernels forward (mask, scale, add, norm) and as
+many back, each a full pass over the (tokens, n_embd) states; the MLP's bias and GELU take two more each
+way over the (tokens, 4·n_embd) ones. Here each is one kernel forward and one backward:
+
+- `fused_residual_layer_norm(residual, branch, weight, bias, eps, dropout_p, training)` gives
+  `new = residual + dropout(branch)` and `layer_norm(new)` in one pass over the rows (statistics in fp32),
+  and in the backward pass the gradients of residual, branch, weight and bias in one more (the gradient of
+  `new` arrives from both outputs). The dropout mask is never stored: both kernels draw it from the call's
+  seed with `fused_attention`'s counter-based mask (element i of the call keeps its value when the Philox
+  uniform of counter offset + i is at least dropout_p), so only the seed and offset are kept for backward.
+- `fused_bias_gelu(x, bias)` gives `gelu(x + bias)` (the exact erf GELU, torch's default) and in the
+  backward pass the gradients of x and bias (the bias's summed in fp32 inside the kernel).
+
+Measured (benchmarks/bench_fused_layers.py, H100, forward + backward in a CUDA graph, dropout 0.1, 2026-11-27):
+residual + dropout + LayerNorm 1.45–1.66× faster than PyTorch's composition at the handouts' 16384 × 256
+and 1.75–1.97× at 65536 × 512; bias + GELU 1.6–1.7× faster than gelu(x + bias), yet 1.3–1.4× slower than
+gelu(x) alone: it pays only where the bias is a separate add, not where a Linear adds it in its matmul.
+Launched eagerly from Python at the handouts' shape, Triton's launch overhead makes both slower than PyTorch.
+
+Where a kernel does not apply (no Triton, a CPU tensor without Triton's interpreter, another dtype, rows
+wider than `MAX_WIDTH`), the functions run the same computation as plain PyTorch, so calling them is
+always correct.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .fused_attention import _interpreted, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .fused_attention import _dropout_keep_at
+
+# The widest row (n_embd) the LayerNorm kernel takes: a row lies in one program's registers.
+MAX_WIDTH = 1024
+# Elements per tile (rows × padded columns) a program works on at once: several narrow rows (8 of 256) per
+# program, so enough memory requests are in flight. 2048 ran fastest of 1024–8192 on an H100
+# (benchmarks/bench_fused_layers.py --tile_elements).
+TILE_ELEMENTS = 2048
+# Programs per multiprocessor of the backward kernels, which loop over tiles to sum over rows.
+PROGRAMS_PER_SM = 4
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def fused_layers_available() -> bool:
+    """Whether the kernels can run here: Triton and a CUDA device, or Triton's interpreter."""
+    return triton is not None and (torch.cuda.is_available() or _interpreted())
+
+
+def _kernels_apply(*tensors) -> bool:
+    """Whether the kernels compute a call on these tensors (else the PyTorch fallback does)."""
+    if triton is None or any(tensor is None for tensor in tensors):
+        return False
+    device = tensors[0].device
+    return (
+        (device.type == "cuda" or _interpreted())
+        and all(tensor.device == device and tensor.dtype in KERNEL_DTYPES for tensor in tensors)
+        and tensors[0].numel() > 0
+    )
+
+
+def _draw_seed(device) -> torch.Tensor:
+    """One seed per call from torch's generator of the device, as `fused_causal_attention` draws its own:
+    torch.manual_seed repeats it, and captured CUDA graphs replay it with a fresh value."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
+def _tile(width: int, max_block: int | None = None) -> tuple[int, int, int]:
+    """Rows per tile, padded columns per tile (a power of two) and warps, for rows `width` wide."""
+    block_cols = triton.next_power_of_2(width)
+    if max_block is not None:
+        block_cols = min(block_cols, max_block)
+    block_rows = max(1, TILE_ELEMENTS // block_cols)
+    return block_rows, block_cols, 8 if block_rows * block_cols >= 4096 else 4
+
+
+def _reducing_programs(device, tiles: int) -> int:
+    """Programs for a backward kernel that also sums over rows: a few per multiprocessor, each looping over
+    tiles and writing one partial sum per column, so the sum needs neither atomics nor a (rows, width)
+    buffer. (Two in the interpreter, where programs run one after another: enough to test the loop.)"""
+    if device.type == "cuda":
+        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        programs = 2
+    return max(1, min(tiles, programs))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dropped(values, SEED, offsets, DROPOUT_P: tl.constexpr):
+        """Dropout of fp32 values numbered `offsets`: zeros where the shared mask drops them, the others
+        scaled by 1 / (1 − p)."""
+        keep = _dropout_keep_at(SEED, offsets, DROPOUT_P)
+        return tl.where(keep, values * (1.0 / (1.0 - DROPOUT_P)), 0.0)
+
+    @triton.jit
+    def _tile_offsets(tile, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        """A tile's rows, its columns, which of its elements exist, and their numbers (int64: a call may
+        hold more than 2³¹ elements) in the row-major (rows, n_cols) layout; the numbers also count the
+        dropout mask's elements."""
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        cols = tl.arange(0, BLOCK_COLS)
+        inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        return rows, cols, inside, rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+
+    @triton.jit
+    def _residual_layer_norm_forward(
+        RESIDUAL, BRANCH, WEIGHT, BIAS, SEED, NEW_RESIDUAL, NORMALIZED, MEAN, RSTD,
+        n_rows, n_cols, offset, eps,
+        DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ):  # fmt: skip
+        """One tile of rows: new = residual + dropout(branch), rounded to its dtype; then its LayerNorm from
+        fp32 statistics of the rounded rows (what the backward kernel reads back), whose mean and 1/σ are
+        kept for the backward pass."""
+        rows, cols, inside, elements = _tile_offsets(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+        branch = tl.load(BRANCH + elements, mask=inside, other=0.0).to(tl.float32)
+        if DROPOUT_P > 0:
+            branch = _dropped(branch, SEED, offset + elements, DROPOUT_P)
+        residual = tl.load(RESIDUAL + elements, mask=inside, other=0.0).to(tl.float32)
+        new = (residual + branch).to(NEW_RESIDUAL.dtype.element_ty)
+        tl.store(NEW_RESIDUAL + elements, new, mask=inside)
+        new = new.to(tl.float32)
+        mean = tl.sum(new, 1) / n_cols
+        centered = tl.where(inside, new - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, 1) / n_cols + eps)
+        weight = tl.load(WEIGHT + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        bias = tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        normalized = centered * rstd[:, None] * weight[None, :] + bias[None, :]
+        tl.store(NORMALIZED + elements, normalized.to(NORMALIZED.dtype.element_ty), mask=inside)
+        tl.store(MEAN + rows, mean, mask=rows < n_rows)
+        tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+
+    @triton.jit
+    def _residual_layer_norm_backward(
+        GRAD_NEW, GRAD_NORMALIZED, NEW_RESIDUAL, WEIGHT, MEAN, RSTD, SEED,
+        GRAD_RESIDUAL, GRAD_BRANCH, GRAD_WEIGHT_PARTS, GRAD_BIAS_PARTS,
+        n_rows, n_cols, offset,
+        DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ):  # fmt: skip
+        """Tiles program, program + programs, …: the gradient of `new` (its own plus LayerNorm's) is the
+        residual's, and through the regenerated mask the branch's; the program's sums of the weight's and
+        bias's gradients over its rows go to row `program` of the partial sums."""
+        program, programs = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_COLS)
+        weight = tl.load(WEIGHT + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        grad_weight = tl.zeros((BLOCK_COLS,), tl.float32)
+        grad_bias = tl.zeros((BLOCK_COLS,), tl.float32)
+        for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
+            rows, cols, inside, elements = _tile_offsets(tile, n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+            new = tl.load(NEW_RESIDUAL + elements, mask=inside, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=rows < n_rows, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)
+            normalized = tl.where(inside, (new - mean[:, None]) * rstd[:, None], 0.0)  # before weight and bias
+            grad_normalized = tl.load(GRAD_NORMALIZED + elements, mask=inside, other=0.0).to(tl.float32)
+            grad_scaled = grad_normalized * weight[None, :]
+            # d(new) = (dx̂ − mean(dx̂) − x̂·mean(dx̂·x̂)) / σ, plus the gradient `new` got directly.
+            mean_grad = tl.sum(grad_scaled, 1) / n_cols
+            mean_grad_normalized = tl.sum(grad_scaled * normalized, 1) / n_cols
+            grad_new = (grad_scaled - mean_grad[:, None] - normalized * mean_grad_normalized[:, None]) * rstd[:, None]
+            grad_new += tl.load(GRAD_NEW + elements, mask=inside, other=0.0).to(tl.float32)
+            tl.store(GRAD_RESIDUAL + elements, grad_new.to(GRAD_RESIDUAL.dtype.element_ty), mask=inside)
+            grad_branch = grad_new
+            if DROPOUT_P > 0:
+                grad_branch = _dropped(grad_new, SEED, offset + elements, DROPOUT_P)
+            tl.store(GRAD_BRANCH + elements, grad_branch.to(GRAD_BRANCH.dtype.element_ty), mask=inside)
+            grad_weight += tl.sum(grad_normalized * normalized, 0)
+            grad_bias += tl.sum(grad_normalized, 0)
+        tl.store(GRAD_WEIGHT_PARTS + program * n_cols + cols, grad_weight, mask=cols < n_cols)
+        tl.store(GRAD_BIAS_PARTS + program * n_cols + cols, grad_bias, mask=cols < n_cols)
+
+    @triton.jit
+    def _bias_gelu_forward(
+        X, BIAS, OUT, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
+    ):  # fmt: skip
+        """One tile of rows × columns: gelu(x + bias) = u·Φ(u), computed in fp32."""
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        elements = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        bias = tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        u = tl.load(X + elements, mask=inside, other=0.0).to(tl.float32) + bias[None, :]
+        out = 0.5 * u * (1.0 + tl.erf(u * 0.7071067811865476))
+        tl.store(OUT + elements, out.to(OUT.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _bias_gelu_backward(
+        GRAD_OUT, X, BIAS, GRAD_X, GRAD_BIAS_PARTS, n_rows, n_cols,
+        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ):  # fmt: skip
+        """Row tiles program, program + programs, … of one block of columns: d(x + bias) = dy · (Φ(u) + u·φ(u)),
+        recomputed from x; the program's column sums of it (the bias's gradient) go to row `program` of the
+        partial sums."""
+        program, programs = tl.program_id(0), tl.num_programs(0)
+        cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        bias = tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        grad_bias = tl.zeros((BLOCK_COLS,), tl.float32)
+        for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+            elements = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+            u = tl.load(X + elements, mask=inside, other=0.0).to(tl.float32) + bias[None, :]
+            cdf = 0.5 * (1.0 + tl.erf(u * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * u * u) * 0.3989422804014327  # 1/√(2π)
+            grad_u = tl.load(GRAD_OUT + elements, mask=inside, other=0.0).to(tl.float32) * (cdf + u * pdf)
+            tl.store(GRAD_X + elements, grad_u.to(GRAD_X.dtype.element_ty), mask=inside)
+            grad_bias += tl.sum(grad_u, 0)
+        tl.store(GRAD_BIAS_PARTS + program * n_cols + cols, grad_bias, mask=cols < n_cols)
+
+    @triton.jit
+    def _mask_kernel(SEED, KEEP, numel, offset, dropout_p, BLOCK: tl.constexpr):
+        elements = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = _dropout_keep_at(SEED, offset + elements, dropout_p)
+        tl.store(KEEP + elements, keep.to(tl.int8), mask=elements < numel)
+
+
+class _ResidualLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, residual, branch, weight, bias, eps, dropout_p, seed, offset):
+        width = residual.shape[-1]
+        residual, branch = residual.contiguous(), branch.contiguous()
+        n_rows = residual.numel() // width
+        dtype = torch.promote_types(residual.dtype, branch.dtype)  # as residual + branch would give
+        new_residual = torch.empty(residual.shape, dtype=dtype, device=residual.device)
+        normalized = torch.empty_like(new_residual)
+        mean = torch.empty(n_rows, dtype=torch.float32, device=residual.device)
+        rstd = torch.empty_like(mean)
+        block_rows, block_cols, num_warps = _tile(width)
+        _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
+            residual, branch, weight.contiguous(), bias.contiguous(), seed, new_residual, normalized, mean, rstd,
+            n_rows, width, offset, eps,
+            DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        )  # fmt: skip
+        ctx.save_for_backward(new_residual, weight, mean, rstd, seed)
+        ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
+        return new_residual, normalized
+
+    @staticmethod
+    def backward(ctx, grad_new, grad_normalized):
+        new_residual, weight, mean, rstd, seed = ctx.saved_tensors
+        dropout_p, offset, residual_dtype, branch_dtype, bias_dtype = ctx.options
+        width = new_residual.shape[-1]
+        n_rows = new_residual.numel() // width
+        grad_residual = torch.empty(new_residual.shape, dtype=residual_dtype, device=new_residual.device)
+        grad_branch = torch.empty(new_residual.shape, dtype=branch_dtype, device=new_residual.device)
+        block_rows, block_cols, num_warps = _tile(width)
+        programs = _reducing_programs(new_residual.device, triton.cdiv(n_rows, block_rows))
+        grad_weight_parts = torch.empty(programs, width, dtype=torch.float32, device=new_residual.device)
+        grad_bias_parts = torch.empty_like(grad_weight_parts)
+        _residual_layer_norm_backward[(programs,)](
+            grad_new.contiguous(), grad_normalized.contiguous(), new_residual, weight.contiguous(), mean, rstd, seed,
+            grad_residual, grad_branch, grad_weight_parts, grad_bias_parts,
+            n_rows, width, offset,
+            DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        )  # fmt: skip
+        grad_weight = grad_weight_parts.sum(0).to(weight.dtype)
+        grad_bias = grad_bias_parts.sum(0).to(bias_dtype)
+        return grad_residual, grad_branch, grad_weight, grad_bias, None, None, None, None
+
+
+class _BiasGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        width = x.shape[-1]
+        x = x.contiguous()
+        n_rows = x.numel() // width
+        out = torch.empty_like(x)
+        block_rows, block_cols, num_warps = _tile(width, max_block=1024)
+        grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(width, block_cols))
+        _bias_gelu_forward[grid](
+            x, bias.contiguous(), out, n_rows, width,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        )  # fmt: skip
+        ctx.save_for_backward(x, bias)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, bias = ctx.saved_tensors
+        width = x.shape[-1]
+        n_rows = x.numel() // width
+        grad_x = torch.empty_like(x)
+        block_rows, block_cols, num_warps = _tile(width, max_block=1024)
+        column_blocks = triton.cdiv(width, block_cols)
+        # Each column block has its own programs, so fewer row programs keep the whole grid the same size.
+        programs = max(1, _reducing_programs(x.device, triton.cdiv(n_rows, block_rows)) // column_blocks)
+        grad_bias_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
+        _bias_gelu_backward[(programs, column_blocks)](
+            grad_out.contiguous(), x, bias.contiguous(), grad_x, grad_bias_parts, n_rows, width,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+        )  # fmt: skip
+        return grad_x, grad_bias_parts.sum(0).to(bias.dtype)
+
+
+def residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training):
+    """The plain PyTorch composition `fused_residual_layer_norm` fuses (its fallback)."""
+    new_residual = residual + F.dropout(branch, dropout_p, training)
+    return new_residual, F.layer_norm(new_residual, (new_residual.shape[-1],), weight, bias, eps)
+
+
+def bias_gelu_reference(x, bias):
+    """The plain PyTorch composition `fused_bias_gelu` fuses (its fallback); the bias is cast to x's dtype,
+    as a Linear layer's under autocast is."""
+    return F.gelu(x + bias.to(x.dtype))
+
+
+def fused_residual_layer_norm(residual, branch, weight, bias, eps, dropout_p, training, *, seed=None, offset=0):
+    """`(new_residual, normalized)`: `new_residual = residual + dropout(branch)` and
+    `normalized = layer_norm(new_residual, weight, bias, eps)` over the last dimension, forward and backward
+    in one kernel each (see the module docstring).
+
+    residual and branch: one shape (..., n_embd), fp32 or bf16 each; both outputs have the dtype of
+    residual + branch. weight and bias: (n_embd,). Dropout (when `training` and dropout_p > 0) keeps element
+    i (in row-major order) where the shared counter-based mask keeps offset + i for the call's `seed` (an
+    int64 tensor of one element on the inputs' device; by default each call draws one from torch's
+    generator, so torch.manual_seed repeats it); `residual_dropout_keep_mask` gives that mask. Elsewhere (see
+    `_kernels_apply`, and rows wider than `MAX_WIDTH`) PyTorch computes it, dropout drawn as torch's."""
+    dropout_p = float(dropout_p) if training else 0.0
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    width = residual.shape[-1]
+    if not (
+        _kernels_apply(residual, branch, weight, bias)
+        and residual.shape == branch.shape
+        and weight.shape == bias.shape == (width,)
+        and width <= MAX_WIDTH
+    ):
+        return residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training)
+    if seed is None and dropout_p > 0:
+        seed = _draw_seed(residual.device)
+    elif seed is None:  # never read: the kernels draw no mask
+        seed = torch.zeros(1, dtype=torch.int64, device=residual.device)
+    return _ResidualLayerNorm.apply(residual, branch, weight, bias, float(eps), dropout_p, seed, int(offset))
+
+
+def fused_bias_gelu(x, bias):
+    """gelu(x + bias) (exact erf GELU) for x of shape (..., n) and bias (n,), forward and backward in one
+    kernel each; the result (and x's gradient) in x's dtype, the bias's gradient in its own. Elsewhere (see
+    `_kernels_apply`) PyTorch computes it."""
+    if not (_kernels_apply(x, bias) and bias.shape == (x.shape[-1],)):
+        return bias_gelu_reference(x, bias)
+    return _BiasGelu.apply(x, bias)
+
+
+def residual_dropout_keep_mask(seed: torch.Tensor, shape, dropout_p: float, offset: int = 0) -> torch.Tensor:
+    """The boolean mask of the `branch` elements `fused_residual_layer_norm` keeps for `seed` and `offset`,
+    drawn by the same mask function, for tests and debugging (needs Triton)."""
+    numel = int(torch.Size(shape).numel())
+    keep = torch.empty(numel, dtype=torch.int8, device=seed.device)
+    block = 1024
+    _mask_kernel[(triton.cdiv(numel, block),)](seed, keep, numel, int(offset), float(dropout_p), BLOCK=block)
+    return keep.bool().view(shape)
+
+
+__all__ = [
+    "MAX_WIDTH",
+    "bias_gelu_reference",
+    "fused_bias_gelu",
+    "fused_layers_available",
+    "fused_residual_layer_norm",
+    "residual_dropout_keep_mask",
+    "residual_layer_norm_reference",
+]
