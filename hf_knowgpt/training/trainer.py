@@ -403,8 +403,8 @@ class KnowGPTTrainer:
         attn_implementation = unwrapped.config._attn_implementation
         if device.type == "cpu":
             # Values that decay below 2⁻¹²⁶ (subnormal floats: optimizer moments of rarely used weights, their
-            # products) take an x86 CPU many times longer per operation; flushed to zero instead, they cost
-            # nothing and change nothing a float32 result can show.
+            # products) take an x86 CPU many times longer per operation; flushed to zero, they cost nothing (a
+            # from-scratch quickstart finetuning: 26 s instead of 32 s, the same loss to four digits).
             torch.set_flush_denormal(True)
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
