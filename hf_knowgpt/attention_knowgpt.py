@@ -52,7 +52,7 @@ class KnowGPTDropout(nn.Dropout):
     """`nn.Dropout` whose mask, on a CPU, is cut from 64-bit random draws, four 16-bit uniforms each.
 
     A CPU's Bernoulli sampler spends about 6 ns per element, a tenth of the quickstart model's training step
-    (torch.profiler); one 64-bit draw per four elements costs less than a quarter of that. Each element is kept when its uniform is at
+    (torch.profiler); one 64-bit draw per four elements costs under a third of that. Each element is kept when its uniform is at
     or above round(p·2¹⁶), so the drop rate is p to within 2⁻¹⁷; kept elements are scaled by the inverse
     of the exact keep rate. Elsewhere (a GPU's counter-based generator is already cheap) and in evaluation
     it is `nn.Dropout`. Both draw from torch's generator of the tensor's device, so a seed repeats a run.

