@@ -106,13 +106,8 @@ def library_kernel(function, kernel_dtype):
     return attention
 
 
-def time_kernel(attention, inputs, grad, scale, dropout_p, replays):
-    """Milliseconds per forward + backward, from one captured graph replayed `replays` times."""
-
-    def step():
-        out = attention(*inputs, scale, dropout_p)
-        return torch.autograd.grad(out, inputs, grad)
-
+def graphed(step):
+    """`step` captured in a CUDA graph (after warm-up passes on a side stream, as capture requires): its replay."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -122,12 +117,23 @@ def time_kernel(attention, inputs, grad, scale, dropout_p, replays):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    graph.replay()
+    return graph.replay
+
+
+def time_kernel(attention, inputs, grad, scale, dropout_p, replays):
+    """Milliseconds per forward + backward, from one captured graph replayed `replays` times."""
+
+    def step():
+        out = attention(*inputs, scale, dropout_p)
+        return torch.autograd.grad(out, inputs, grad)
+
+    replay = graphed(step)
+    replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        graph.replay()
+        replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays

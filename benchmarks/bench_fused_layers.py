@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_attention import graphed  # noqa: E402
+
 from hf_knowgpt.kernels import fused_layers  # noqa: E402
 from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
@@ -62,20 +64,6 @@ def median_ms(step, reps: int, warmup: int) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def graphed(step):
-    """`step` captured in a CUDA graph (after warm-up passes on a side stream, as capture requires): its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
 
 
 def forward_backward(function, inputs, autocast: bool):

@@ -25,6 +25,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ATTENTION_TYPES = ["vanilla", "rope", "synthesizer", "perceiver"]
 
+# The Triton kernels (hf_knowgpt.kernels) run on a CUDA device, or on the CPU under Triton's interpreter.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _kernel_skip_reason() -> str | None:
+    from hf_knowgpt.kernels.fused_attention import triton
+
+    if triton is None:
+        return "Triton is not installed (CPU builds of torch come without it)"
+    if not (torch.cuda.is_available() or TRITON_INTERPRETED):
+        return "no CUDA device; TRITON_INTERPRET=1 runs the kernels on the CPU"
+    return None
+
+
+KERNEL_SKIP = _kernel_skip_reason()
+needs_kernel = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not TRITON_INTERPRETED else "cpu"
+
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():

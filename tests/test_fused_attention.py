@@ -7,25 +7,17 @@ The kernel tests need Triton and either a CUDA device or Triton's interpreter on
 """
 
 import math
-import os
 
 import pytest
 import torch
+from conftest import KERNEL_DEVICE as DEVICE
+from conftest import TRITON_INTERPRETED as INTERPRETED
+from conftest import needs_kernel
 
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
 from hf_knowgpt.attention_knowgpt import apply_rotary, rotary_angles
 from hf_knowgpt.kernels import fused_attention
 from hf_knowgpt.kernels.fused_attention import dropout_keep_mask, fused_causal_attention, supports_fused_attention
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if fused_attention.triton is None:
-    KERNEL_SKIP = "Triton is not installed (CPU builds of torch come without it)"
-elif not (torch.cuda.is_available() or INTERPRETED):
-    KERNEL_SKIP = "no CUDA device; TRITON_INTERPRET=1 runs the kernels on the CPU"
-else:
-    KERNEL_SKIP = None
-needs_kernel = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 
 
 def reference_attention(query, key, value, scale, keep=None, dropout_p=0.0, bias=None):

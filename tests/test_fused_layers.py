@@ -7,11 +7,12 @@ The kernel tests need Triton and either a CUDA device or Triton's interpreter on
 test runs everywhere.
 """
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import KERNEL_DEVICE as DEVICE
+from conftest import KERNEL_SKIP, needs_kernel
+from conftest import TRITON_INTERPRETED as INTERPRETED
 
 from hf_knowgpt.kernels import fused_layers
 from hf_knowgpt.kernels.fused_layers import (
@@ -20,15 +21,6 @@ from hf_knowgpt.kernels.fused_layers import (
     residual_dropout_keep_mask,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if fused_layers.triton is None:
-    KERNEL_SKIP = "Triton is not installed (CPU builds of torch come without it)"
-elif not (torch.cuda.is_available() or INTERPRETED):
-    KERNEL_SKIP = "no CUDA device; TRITON_INTERPRET=1 runs the kernels on the CPU"
-else:
-    KERNEL_SKIP = None
-needs_kernel = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 EPS = 1e-5
 # bf16 only on the GPU: the interpreter's bf16 arithmetic is not the GPU's (see test_fused_attention.py).
 DTYPES = [torch.float32] + ([pytest.param(torch.bfloat16, id="bfloat16")] if DEVICE == "cuda" else [])
