@@ -8,7 +8,8 @@ process, medians printed last:
    `KnowGPTDropout` (16-bit uniforms cut from 64-bit draws);
 2. one AdamW step over the model's parameters: for-loop, `foreach`, fused;
 3. whole training steps (16 rows of 150 characters, forward, backward, AdamW), the model's dropouts
-   switched between the two kinds every 15 steps, alternating so that the machine's drift hits both.
+   switched between the two kinds every 15 steps, alternating so that the machine's drift hits both;
+4. the same steps in fp32 against bf16 autocast (the model's own dropouts), alternating the same way.
 """
 
 import argparse
@@ -64,8 +65,10 @@ def main():
     optimizer = torch.optim.AdamW(handout_parameter_groups(model, 0.1), lr=1e-3, fused=True)
     ids = torch.randint(0, 100, (16, 150))
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def step(autocast: bool = False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -78,6 +81,12 @@ def main():
             step_times[kind].append(milliseconds(step, 15, 1))
     for kind, times in step_times.items():
         rows.append((f"training step, model dropouts {kind.__name__}", statistics.median(times)))
+    precision_times = {False: [], True: []}
+    for _ in range(args.rounds):
+        for autocast in precision_times:
+            precision_times[autocast].append(milliseconds(lambda autocast=autocast: step(autocast), 15, 1))
+    for autocast, times in precision_times.items():
+        rows.append((f"training step, {'bf16 autocast' if autocast else 'fp32'}", statistics.median(times)))
 
     print(f"\n{'CPU, ' + str(torch.get_num_threads()) + ' threads':<64}{'ms (median)':>12}")
     for name, value in rows:
