@@ -9,7 +9,10 @@
 # transformers' sources (cProfile, H100). Bytecode goes to /tmp/pycache instead, and one import of the
 # stack fills it before anything is timed, as an install would have.
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# .whl_user/ (benchmarks/user_stack_wheels.sh, when carried): the Hugging Face stack as `pip install -e .`
+# resolves it on a fresh machine, in place of the image's older one, so that timings are of what a user runs
+wheels=(.whl/*.whl) && [ -d .whl_user ] && wheels+=(.whl_user/*.whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
 export PYTHONPATH="/tmp/site:$PWD" KNOWGPT_DATA="$PWD/.data" KNOWGPT_CACHE=/tmp/knowgpt-cache
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_DISABLE_PROGRESS_BARS=1
 unset PYTHONDONTWRITEBYTECODE

@@ -207,6 +207,48 @@ class KnowGPTPreTrainedModel(PreTrainedModel):
             init.xavier_uniform_(module.C)
 
 
+class _RowsWithMatrixProductGradient(torch.autograd.Function):
+    """weight[ids], whose gradient is one matrix product: one_hot(ids)ᵀ · grad."""
+
+    @staticmethod
+    def forward(ctx, weight, ids):
+        ctx.save_for_backward(ids)
+        ctx.num_rows = weight.shape[0]
+        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        ids = ids.reshape(1, -1)
+        one_hot_rows = grad.new_zeros(ctx.num_rows, ids.shape[1]).scatter_(0, ids, 1.0)  # (rows, tokens)
+        return one_hot_rows @ grad, None
+
+
+class KnowGPTEmbedding(nn.Embedding):
+    """`nn.Embedding` whose weight gradient, when training on a GPU, is one matrix product (the one-hot
+    rows of the ids, transposed, times the incoming gradient) instead of PyTorch's sort of the ids and
+    segmented sums: with a vocabulary of a few hundred characters that product is small, and the sort and
+    sums took 6% of an uncompiled training step's device time (H100 profile, benchmarks/RESULTS.md). Its fp32 product follows
+    the trainer's TF32 setting, as every fp32 matrix product of training does. Elsewhere (a CPU,
+    evaluation, no gradient, padding_idx, max_norm or sparse gradients) it is `nn.Embedding`.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if (
+            self.training
+            and input.is_cuda
+            and torch.is_grad_enabled()
+            and self.weight.requires_grad
+            and self.padding_idx is None
+            and self.max_norm is None
+            and not self.sparse
+            and not self.scale_grad_by_freq
+        ):
+            return _RowsWithMatrixProductGradient.apply(self.weight, input)
+        return super().forward(input)
+
+
 class KnowGPTModel(KnowGPTPreTrainedModel):
     """The KnowGPT backbone: embeddings, blocks and final LayerNorm; returns the last hidden states.
 
@@ -219,8 +261,8 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
 
     def __init__(self, config: KnowGPTConfig):
         super().__init__(config)
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = None if config.attention_type == "rope" else nn.Embedding(config.block_size, config.n_embd)
+        self.tok_emb = KnowGPTEmbedding(config.vocab_size, config.n_embd)
+        self.pos_emb = None if config.attention_type == "rope" else KnowGPTEmbedding(config.block_size, config.n_embd)
         self.drop = KnowGPTDropout(config.embd_pdrop)
         if config.attention_type == "perceiver":
             self.down_block = KnowGPTPerceiverDownBlock(config)
@@ -500,4 +542,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
 KnowGPTModel.register_for_auto_class("AutoModel")
 KnowGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["KnowGPTForCausalLM", "KnowGPTModel", "KnowGPTPreTrainedModel"]
+__all__ = ["KnowGPTEmbedding", "KnowGPTForCausalLM", "KnowGPTModel", "KnowGPTPreTrainedModel"]

@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Is the graphed training step bound by the host or by the device? `scripts/train.py` with the given
+flags (use a recipe whose path is the graphed one, on a GPU); once, after step 1000 of pretraining, it
+times (1) the host's preparation of 200 packed steps alone (indices, corruption draws, token index,
+copies to the device), (2) 200 replays of the step's CUDA graph back to back (device time per step), then
+lets the run go on; at the end, the host's preparation and the replay calls averaged over all steps. A
+diagnostic: the 200 extra replays train the model further than the run would.
+
+    python benchmarks/diagnostics/graphed_step_host_device.py --recipe handout --attention_type vanilla \\
+        --data_dir .data --mixed_precision bf16 --no_do_finetune --output_dir /tmp/g
+"""
+
+import sys
+import time
+
+import torch
+
+from hf_knowgpt.commands import cli, train
+from hf_knowgpt.training import fast_path
+
+MEASURE_AFTER, COUNT = 1000, 200
+prepare, run = fast_path.GraphedStepper._prepare_packed, fast_path.GraphedStepper.run
+totals = {"prepare_s": 0.0, "steps": 0, "run_s": 0.0, "measured": False}
+
+
+def timed_prepare(self, global_step):
+    started = time.perf_counter()
+    capacity = prepare(self, global_step)
+    totals["prepare_s"] += time.perf_counter() - started
+    totals["steps"] += 1
+    return capacity
+
+
+def measured_run(self, first_step, count, should_stop):
+    if not totals["measured"] and first_step >= MEASURE_AFTER and self.packed:
+        totals["measured"] = True
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        capacities = [prepare(self, first_step + i) for i in range(COUNT)]
+        torch.cuda.synchronize()
+        host_ms = (time.perf_counter() - started) / COUNT * 1e3
+        capacity = max(set(capacities), key=capacities.count)
+        if capacity in self.graphs:
+            prepare(self, first_step)  # the inputs of a real step
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(COUNT):
+                self.graphs[capacity].replay()
+            end.record()
+            torch.cuda.synchronize()
+            device_ms = start.elapsed_time(end) / COUNT
+            print(f"\n[graphed step] host preparation {host_ms:.3f} ms per step; device, {COUNT} replays of the "
+                  f"{capacity}-token graph back to back, {device_ms:.3f} ms per step\n", flush=True)  # fmt: skip
+    started = time.perf_counter()
+    done = run(self, first_step, count, should_stop)
+    totals["run_s"] += time.perf_counter() - started
+    return done
+
+
+fast_path.GraphedStepper._prepare_packed = timed_prepare
+fast_path.GraphedStepper.run = measured_run
+if __name__ == "__main__":
+    sys.argv = ["train.py", *sys.argv[1:]]
+    try:
+        cli.main_guard(train.main)
+    finally:
+        steps = max(totals["steps"], 1)
+        print(f"[graphed step] over {totals['steps']} steps: host preparation {totals['prepare_s'] / steps * 1e3:.3f} "
+              f"ms per step; run() calls (preparation and replay launches) {totals['run_s'] / steps * 1e3:.3f} "
+              "ms per step", flush=True)  # fmt: skip
