@@ -4,7 +4,9 @@ flags (use a recipe whose path is the graphed one, on a GPU); once, after step 1
 times (1) the host's preparation of 200 packed steps alone (indices, corruption draws, token index,
 copies to the device), (2) 200 replays of the step's CUDA graph back to back (device time per step), then
 lets the run go on; at the end, the host's preparation and the replay calls averaged over all steps. A
-diagnostic: the 200 extra replays train the model further than the run would.
+diagnostic: the 200 extra replays train the model further than the run would. `--nn_embedding` (taken
+out before the rest goes to train.py) runs the embeddings as plain `nn.Embedding`, for a side-by-side
+figure of KnowGPTEmbedding's gradient.
 
     python benchmarks/diagnostics/graphed_step_host_device.py --recipe handout --attention_type vanilla \\
         --data_dir .data --mixed_precision bf16 --no_do_finetune --output_dir /tmp/g
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from hf_knowgpt import modeling_knowgpt
 from hf_knowgpt.commands import cli, train
 from hf_knowgpt.training import fast_path
 
@@ -60,6 +63,10 @@ def measured_run(self, first_step, count, should_stop):
 fast_path.GraphedStepper._prepare_packed = timed_prepare
 fast_path.GraphedStepper.run = measured_run
 if __name__ == "__main__":
+    if "--nn_embedding" in sys.argv:
+        sys.argv.remove("--nn_embedding")
+        modeling_knowgpt.KnowGPTEmbedding.forward = torch.nn.Embedding.forward
+        print("[graphed step] embeddings as nn.Embedding", flush=True)
     sys.argv = ["train.py", *sys.argv[1:]]
     try:
         cli.main_guard(train.main)
