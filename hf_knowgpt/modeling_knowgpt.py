@@ -231,13 +231,15 @@ class KnowGPTEmbedding(nn.Embedding):
     segmented sums: with a vocabulary of a few hundred characters that product is small, and the sort and
     sums took 6% of an uncompiled training step's device time (H100 profile, benchmarks/RESULTS.md). Its fp32 product follows
     the trainer's TF32 setting, as every fp32 matrix product of training does. Elsewhere (a CPU,
-    evaluation, no gradient, padding_idx, max_norm or sparse gradients) it is `nn.Embedding`.
+    evaluation, no gradient, under torch.compile, padding_idx, max_norm or sparse gradients) it is
+    `nn.Embedding`.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if (
             self.training
             and input.is_cuda
+            and not torch.compiler.is_compiling()  # inductor generates its own gradient kernel
             and torch.is_grad_enabled()
             and self.weight.requires_grad
             and self.padding_idx is None
