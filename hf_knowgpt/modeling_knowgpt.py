@@ -228,11 +228,11 @@ class _RowsWithMatrixProductGradient(torch.autograd.Function):
 class KnowGPTEmbedding(nn.Embedding):
     """`nn.Embedding` whose weight gradient, when training on a GPU, is one matrix product (the one-hot
     rows of the ids, transposed, times the incoming gradient) instead of PyTorch's sort of the ids and
-    segmented sums: with a vocabulary of a few hundred characters that product is small, and the sort and
-    sums took 6% of an uncompiled training step's device time (H100 profile, benchmarks/RESULTS.md). Its fp32 product follows
-    the trainer's TF32 setting, as every fp32 matrix product of training does. Elsewhere (a CPU,
-    evaluation, no gradient, under torch.compile, padding_idx, max_norm or sparse gradients) it is
-    `nn.Embedding`.
+    segmented sums: with a vocabulary of a few hundred characters the product is small, and the sort and
+    sums took 6% of an uncompiled training step's device time (H100, benchmarks/RESULTS.md). The product
+    also adds in a fixed order, so a seeded run repeats. In fp32 it follows the trainer's TF32 setting, as
+    every fp32 matrix product of training does. Elsewhere (a CPU, evaluation, no gradient, under
+    torch.compile, padding_idx, max_norm or sparse gradients) it is `nn.Embedding`.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
