@@ -120,13 +120,8 @@ def graphed(step):
     return graph.replay
 
 
-def time_kernel(attention, inputs, grad, scale, dropout_p, replays):
-    """Milliseconds per forward + backward, from one captured graph replayed `replays` times."""
-
-    def step():
-        out = attention(*inputs, scale, dropout_p)
-        return torch.autograd.grad(out, inputs, grad)
-
+def graphed_ms(step, replays):
+    """Milliseconds of device time per call of `step`, captured in one graph and replayed `replays` times."""
     replay = graphed(step)
     replay()
     torch.cuda.synchronize()
@@ -137,6 +132,16 @@ def time_kernel(attention, inputs, grad, scale, dropout_p, replays):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def time_kernel(attention, inputs, grad, scale, dropout_p, replays):
+    """Milliseconds per forward + backward, from one captured graph replayed `replays` times."""
+
+    def step():
+        out = attention(*inputs, scale, dropout_p)
+        return torch.autograd.grad(out, inputs, grad)
+
+    return graphed_ms(step, replays)
 
 
 def main():

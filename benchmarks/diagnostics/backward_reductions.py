@@ -18,23 +18,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_attention import graphed  # noqa: E402
+from benchmarks.bench_attention import graphed_ms  # noqa: E402
 from hf_knowgpt.modeling_knowgpt import _RowsWithMatrixProductGradient  # noqa: E402
 
 TOKENS, WIDTH, REPLAYS = 7680, 256, 200
-
-
-def device_ms(step) -> float:
-    replay = graphed(step)
-    replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / REPLAYS
 
 
 def main():
@@ -53,15 +40,21 @@ def main():
             def step(lookup=lookup, weight=weight, ids=ids, grad=grad):
                 return torch.autograd.grad(lookup(weight, ids), weight, grad)
 
-            rows.append((f"embedding gradient, {vocabulary} rows, {name}", device_ms(step)))
+            rows.append((f"embedding gradient, {vocabulary} rows, {name}", graphed_ms(step, REPLAYS)))
     for width in (256, 768, 1024):
         grad = torch.randn(TOKENS, width, device="cuda", dtype=torch.bfloat16)
         ones = torch.ones(1, TOKENS, device="cuda", dtype=torch.bfloat16)
         rows.append(
-            (f"bias gradient, width {width}, grad.sum(0)", device_ms(lambda g=grad: g.sum(0, dtype=torch.float32)))
+            (
+                f"bias gradient, width {width}, grad.sum(0)",
+                graphed_ms(lambda g=grad: g.sum(0, dtype=torch.float32), REPLAYS),
+            )
         )
         rows.append(
-            (f"bias gradient, width {width}, ones · grad", device_ms(lambda g=grad, o=ones: torch.mm(o, g).float()))
+            (
+                f"bias gradient, width {width}, ones · grad",
+                graphed_ms(lambda g=grad, o=ones: torch.mm(o, g).float(), REPLAYS),
+            )
         )
     print(f"\n{torch.cuda.get_device_name()}; {TOKENS} tokens{'':<20}{'ms per call':>12}")
     for name, value in rows:
