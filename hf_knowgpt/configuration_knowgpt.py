@@ -30,6 +30,12 @@ class KnowGPTConfig(PretrainedConfig):
             the model first recites what it read about the person, up to this many characters of their
             document, and answers after it: `question⁇recitation⁇answer⁇` (the birthplace-qa pipeline and
             evaluation return the answer, and the recitation beside it).
+        future_tokens (`int`): 0 (default): one language-model head. Above 0, as many further linear heads on
+            the last hidden state, head j predicting the token `1 + j·future_token_spacing` positions ahead
+            (multi-token prediction): in training, the mean of their cross-entropies joins the loss, so each
+            position must carry what follows it further on. Generation and evaluation use `lm_head` alone.
+        future_token_spacing (`int`): positions between the offsets the further heads predict (1: the 2nd,
+            3rd, ... token ahead).
         pad_token_id, mask_token_id, unk_token_id (`int`): ids of "□", "⁇" and the unknown character.
         eos_token_id (`int`): "⁇" (1), which closes every answer (`question⁇answer⁇`), so generation stops
             after the answer; the generation config takes it from here.
@@ -59,6 +65,8 @@ class KnowGPTConfig(PretrainedConfig):
     layer_norm_epsilon: float = 1e-5
     attention_kernel_dtype: str | None = "float32"
     recitation_length: int = 0
+    future_tokens: int = 0
+    future_token_spacing: int = 1
     use_cache: bool = True
     pad_token_id: int | None = 0
     mask_token_id: int | None = 1
@@ -111,6 +119,14 @@ class KnowGPTConfig(PretrainedConfig):
             raise ValueError(
                 f"KnowGPTConfig.recitation_length must be an integer in 0..block_size-1={self.block_size - 1}, "
                 f"got {self.recitation_length!r}"
+            )
+        for name, minimum in (("future_tokens", 0), ("future_token_spacing", 1)):
+            require_int(name, minimum)
+        if 1 + self.future_tokens * self.future_token_spacing >= self.block_size:
+            raise ValueError(
+                f"KnowGPTConfig: the furthest future-token head predicts 1 + future_tokens · future_token_spacing = "
+                f"{1 + self.future_tokens * self.future_token_spacing} positions ahead, which a block of "
+                f"{self.block_size} positions never holds"
             )
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 1:
             raise ValueError(f"KnowGPTConfig.rope_theta must be a number > 1, got {self.rope_theta!r}")

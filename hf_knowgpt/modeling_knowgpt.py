@@ -441,6 +441,10 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.transformer = KnowGPTModel(config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Multi-token prediction (`config.future_tokens`): heads for tokens further ahead, trained, never sampled.
+        self.future_heads = nn.ModuleList(
+            nn.Linear(config.n_embd, config.vocab_size, bias=False) for _ in range(config.future_tokens)
+        )
         self.post_init()
 
     def get_input_embeddings(self):
@@ -510,12 +514,16 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None or shift_labels is not None:
             # Position t predicts labels[t + 1]; the last position has no target.
-            targets = shift_labels if shift_labels is not None else F.pad(labels[:, 1:], (0, 1), value=-100)
+            next_targets = shift_labels if shift_labels is not None else F.pad(labels[:, 1:], (0, 1), value=-100)
+            targets = next_targets
             if token_index is not None:
                 targets = targets.reshape(-1).index_select(0, token_index)
             elif logits_to_keep:
                 targets = targets[:, -logits_to_keep:]
             loss = causal_lm_loss(logits, targets, num_items_in_batch)
+            if self.training and len(self.future_heads) and not (token_index is None and logits_to_keep):
+                normalizer = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
+                loss = loss + self._future_token_loss(hidden_states, next_targets, token_index, normalizer)
 
         output = _with_cache(
             CausalLMOutputWithPast,
@@ -526,6 +534,23 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
             attentions=outputs.attentions,
         )
         return output if return_dict else output.to_tuple()
+
+    def _future_token_loss(self, hidden_states, next_targets, token_index, normalizer):
+        """The further heads' mean cross-entropy, each summed over its targets and divided by `normalizer` (the
+        next-token loss's count, so that both weigh a target alike). `next_targets` (B, T): the token after each
+        position; head j's target at t is the one `j · future_token_spacing` positions after that, within
+        the row (-100 past its end)."""
+        if not torch.is_tensor(normalizer):
+            normalizer = torch.tensor(normalizer, device=hidden_states.device)
+        normalizer = normalizer.to(hidden_states.device).clamp(min=1)
+        losses = []
+        for number, head in enumerate(self.future_heads, start=1):
+            further = number * self.config.future_token_spacing
+            targets = F.pad(next_targets[:, further:], (0, further), value=-100)
+            if token_index is not None:
+                targets = targets.reshape(-1).index_select(0, token_index)
+            losses.append(causal_lm_loss(head(hidden_states), targets, normalizer))
+        return torch.stack(losses).mean()
 
 
 def causal_lm_loss(logits, targets, num_items_in_batch=None):

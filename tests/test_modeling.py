@@ -297,3 +297,58 @@ def test_fused_layers_train_as_the_plain_blocks(attention_type, packed):
     assert torch.allclose(plain_loss, fused_loss, atol=1e-6)
     for name in plain_grads:
         assert torch.allclose(plain_grads[name], fused_grads[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_future_token_heads_add_their_mean_cross_entropy_in_training_only(packed):
+    """future_tokens=2, spacing 3: heads predict the 4th and 7th token ahead within each row; in training the
+    loss is the next-token loss plus their mean, each normalized by the next-token targets' count."""
+    lengths = [12, 9, 5]
+    ids = random_ids(3, 12)
+    labels = ids.clone()
+    for row, length in enumerate(lengths):
+        ids[row, length:] = 0
+        labels[row, length:] = -100
+    token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate(lengths)])
+    model = make_model(
+        "rope", future_tokens=2, future_token_spacing=3, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0
+    )
+    assert len(model.future_heads) == 2
+    eval_loss = model(ids, labels=labels).loss
+    model.train()  # no dropout: the same numbers as in evaluation
+    out = model(ids, labels=labels, token_index=token_index if packed else None, use_cache=False)
+    hidden = model.transformer(ids).last_hidden_state
+
+    count = sum(length - 1 for length in lengths)
+    expected_future = []
+    for head, ahead in zip(model.future_heads, (4, 7)):
+        log_probs = head(hidden).log_softmax(-1)
+        terms = [-log_probs[b, t, ids[b, t + ahead]] for b, n in enumerate(lengths) for t in range(n - ahead)]
+        expected_future.append(torch.stack(terms).sum() / count)
+    expected = eval_loss + torch.stack(expected_future).mean()
+    assert torch.allclose(out.loss, expected, atol=1e-5)
+    out.loss.backward()
+    assert all(head.weight.grad is not None and head.weight.grad.abs().sum() > 0 for head in model.future_heads)
+
+
+def test_future_token_heads_round_trip_and_leave_generation_alone(tmp_path):
+    model = make_model("vanilla", future_tokens=1)
+    model.save_pretrained(tmp_path)
+    loaded = KnowGPTForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.future_tokens == 1
+    assert torch.equal(loaded.future_heads[0].weight, model.future_heads[0].weight)
+    prompt = random_ids(1, 5)
+    plain = make_model("vanilla")  # the same seed and perturbation: the trunk and lm_head are the same numbers
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("future_heads")})
+    settings = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(loaded.generate(prompt, **settings), plain.generate(prompt, **settings))
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [(dict(future_tokens=-1), "future_tokens"), (dict(future_token_spacing=0), "future_token_spacing"),
+     (dict(future_tokens=8, future_token_spacing=3), "furthest future-token head")],
+)  # fmt: skip
+def test_future_token_settings_are_validated(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)

@@ -340,6 +340,23 @@ def test_a_reciting_model_trains_on_recitations_and_answers_after_them(corpus, t
     assert card["recitation_length"] == 40 and card["block_size"] == 192  # the recipe's block
 
 
+def test_future_token_heads_train_through_the_command_and_are_saved(corpus, tmp_path):
+    """--future_tokens / --future_token_spacing: the heads train in the one command, the run says so, the
+    checkpoint keeps them, and the command still scores answers (with lm_head alone)."""
+    result = run_script(
+        SCRIPTS / "train.py", "--recipe", "quickstart", "--pretrain_corpus_path", corpus.corpus,
+        "--train_corpus_path", corpus.train, "--eval_corpus_path", corpus.dev, "--pretrain_max_epochs", "1",
+        "--n_layer", "1", "--n_embd", "32", "--future_tokens", "2", "--future_token_spacing", "4",
+        "--output_dir", tmp_path / "run",
+    )  # fmt: skip
+    assert "2 further-token heads (spacing 4)" in result.stdout and "Correct: " in result.stdout
+    saved = tmp_path / "run" / "pretrained"
+    config = json.loads((saved / "config.json").read_text())
+    assert (config["future_tokens"], config["future_token_spacing"]) == (2, 4)
+    model = AutoModelForCausalLM.from_pretrained(saved)
+    assert len(model.future_heads) == 2 and model.future_heads[1].weight.abs().sum() > 0
+
+
 def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path):
     _, whole = pretrain_in_process(corpus, tmp_path / "whole", log_every=1)
     _, start = pretrain_in_process(corpus, tmp_path / "start", log_every=1, stop_after_steps=5)

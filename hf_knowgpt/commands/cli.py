@@ -76,6 +76,14 @@ def add_model_arguments(parser: argparse.ArgumentParser):
         group, "--recitation_length", "model.recitation_length", "answer after reciting up to this many characters "
         "of the person's document: question⁇recitation⁇answer⁇ (0: answer at once)", type=int,
     )  # fmt: skip
+    _value(
+        group, "--future_tokens", "model.future_tokens", "further heads predicting tokens beyond the next, their mean "
+        "loss added in training (multi-token prediction; 0)", type=int,
+    )  # fmt: skip
+    _value(
+        group, "--future_token_spacing", "model.future_token_spacing", "positions between the further heads' "
+        "offsets: head j predicts the token 1 + j·spacing ahead (1)", type=int,
+    )  # fmt: skip
 
 
 def add_data_arguments(parser: argparse.ArgumentParser):

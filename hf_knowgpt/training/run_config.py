@@ -39,6 +39,8 @@ MODEL_FIELDS = (
     "attn_pdrop",
     "attention_kernel_dtype",
     "recitation_length",
+    "future_tokens",
+    "future_token_spacing",
 )
 DATA_FIELDS = (
     "min_truncation_length",
@@ -105,6 +107,11 @@ class RunConfig:
             + (
                 f", answers after reciting up to {model['recitation_length']} characters"
                 if model.get("recitation_length")
+                else ""
+            )
+            + (
+                f", {model['future_tokens']} further-token heads (spacing {model.get('future_token_spacing', 1)})"
+                if model.get("future_tokens")
                 else ""
             ),
             f"  data      truncation {self.min_truncation_length}..{self.longest_truncation}, "
