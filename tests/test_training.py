@@ -349,7 +349,7 @@ def test_future_token_heads_train_through_the_command_and_are_saved(corpus, tmp_
         "--n_layer", "1", "--n_embd", "32", "--future_tokens", "2", "--future_token_spacing", "4",
         "--output_dir", tmp_path / "run",
     )  # fmt: skip
-    assert "2 further-token heads (spacing 4)" in result.stdout and "Correct: " in result.stdout
+    assert "2 heads for tokens further ahead (spacing 4)" in result.stdout and "Correct: " in result.stdout
     saved = tmp_path / "run" / "pretrained"
     config = json.loads((saved / "config.json").read_text())
     assert (config["future_tokens"], config["future_token_spacing"]) == (2, 4)

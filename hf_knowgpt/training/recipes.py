@@ -61,8 +61,8 @@ QUICKSTART = Recipe(
         "The knowledge recipe at CPU size, for the README's main job on the synthetic corpus: mixed training "
         "with RoPE, recite, then answer (the biographies are shorter: block 160, recitation and documents "
         "96 characters), half of the document exposures read as plain text, 2 layers of width 128 with "
-        "dropout 0.1 on embeddings and residual branches (none on attention weights), batch 16, learning "
-        "rate 3e-3, 150 epochs, so pretrain → evaluate fits in a few minutes on two cores. Chosen on the last "
+        "dropout 0.1 on embeddings and residual branches (none on attention weights), a second head predicting "
+        "the token after next (multi-token prediction), batch 16, learning rate 3e-3, 150 epochs, so pretrain → evaluate fits in a few minutes on two cores. Chosen on the last "
         "36 synthetic training people held out (benchmarks/RESULTS.md); the synthetic corpus is made up and "
         "tells nothing about the CS224N data."
     ),
@@ -75,6 +75,7 @@ QUICKSTART = Recipe(
         embd_pdrop=0.1,
         resid_pdrop=0.1,
         attn_pdrop=0.0,  # as accurate held out, and 13% cheaper on a CPU (its attention then stays fused)
+        future_tokens=1,  # held out, 13 seeds: 54.1% against 46.8% without, 10 seeds of 13 better
     ),
     pretrain=StageRecipe(
         max_epochs=150, batch_size=16, learning_rate=3e-3, final_tokens_epochs=None, extra={"shuffle": True}

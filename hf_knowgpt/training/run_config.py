@@ -110,7 +110,8 @@ class RunConfig:
                 else ""
             )
             + (
-                f", {model['future_tokens']} further-token heads (spacing {model.get('future_token_spacing', 1)})"
+                f", {model['future_tokens']} head{'s' if model['future_tokens'] > 1 else ''} for tokens further "
+                f"ahead (spacing {model.get('future_token_spacing', 1)})"
                 if model.get("future_tokens")
                 else ""
             ),

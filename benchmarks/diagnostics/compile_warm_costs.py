@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Where a compiled run's warm-up goes: the README's compiled command (`scripts/train.py --recipe handout
+--attention_type vanilla --mixed_precision bf16 --torch_compile`, pretraining only, a few epochs) run twice in
+fresh processes over the same TorchInductor and Triton caches (cold, then warm). Each process prints, at its
+exit, dynamo's per-phase compile times, its graph and recompilation counts and the caches' hits, then
+the table of both runs is printed last:
+
+    python benchmarks/diagnostics/compile_warm_costs.py --data_dir .data [--epochs 20]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPORT = r"""
+import atexit, json, os, runpy, sys
+def report():
+    import torch._dynamo.utils as utils
+    from torch._dynamo.utils import counters
+    phases = {}
+    try:  # seconds per phase: entire_frame_compile, backend_compile, inductor_compile, code_gen, ...
+        phases = {k: round(float(v), 3) for k, v in utils.calculate_time_spent().items()}
+    except Exception as error:
+        phases = {"unavailable": repr(error)}
+    out = {"compile_times_s": phases, "compile_times": str(utils.compile_times(repr="str", aggregate=True)),
+           "counters": {group: dict(values) for group, values in counters.items()
+                        if group in ("stats", "inductor", "aot_autograd", "recompiles", "graph_break")}}
+    with open(os.environ["COMPILE_REPORT"], "w") as f:
+        json.dump(out, f, default=str)
+atexit.register(report)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", required=True)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--output", default=None, help="JSON of both runs")
+    args = parser.parse_args()
+    caches = tempfile.mkdtemp(prefix="compile-caches-")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
+    runs = []
+    for name in ("cold", "warm"):
+        report = Path(caches) / f"{name}.json"
+        command = [sys.executable, "-c", REPORT, "scripts/train.py", "--recipe", "handout", "--attention_type",
+                   "vanilla", "--data_dir", args.data_dir, "--mixed_precision", "bf16", "--torch_compile",
+                   "--pretrain_max_epochs", str(args.epochs), "--no_do_finetune", "--overwrite_output_dir",
+                   "--output_dir", f"{caches}/run-{name}"]  # fmt: skip
+        started = time.perf_counter()
+        result = subprocess.run(command, env=dict(env, COMPILE_REPORT=str(report)), capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        print(result.stdout[-1500:], result.stderr[-1500:], sep="\n", flush=True)
+        results = json.loads((Path(caches) / f"run-{name}" / "results.json").read_text())
+        stage = results["stages"]["pretrain"]
+        runs.append(dict(run=name, process_s=seconds, warmup_s=stage["warmup_seconds"],
+                         train_s=stage["train_seconds"], **json.loads(report.read_text())))  # fmt: skip
+    if args.output:
+        Path(args.output).write_text(json.dumps(runs, indent=1, default=str))
+    for run in runs:
+        print(f"\n== {run['run']}: process {run['process_s']:.1f} s, warm-up (compile + capture) "
+              f"{run['warmup_s']:.1f} s, steps {run['train_s']:.1f} s")  # fmt: skip
+        for phase, seconds in run["compile_times_s"].items():
+            print(f"  {phase:40s} {seconds}")
+        print(run["compile_times"][:3000])
+        for group, values in run["counters"].items():
+            print(f"  {group}: {values}")
+
+
+if __name__ == "__main__":
+    main()
