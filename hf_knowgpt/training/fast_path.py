@@ -162,7 +162,14 @@ class GraphedStepper:
         self.bucket = bucket
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
         options = self.INDUCTOR_OPTIONS if device.type == "cuda" else None
-        self.model = torch.compile(model, dynamic=self.packed, options=options) if compile_model else model
+        # Packed, only the token count varies (one graph for every bucket): its buffers are marked dynamic.
+        # `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p, the
+        # embeddings' norm_type), which inductor cannot keep, so dynamo traced and lowered everything twice:
+        # 8 of a warm run's 10 s of compilation (benchmarks/RESULTS.md).
+        self.compiled = compile_model
+        self.model = (
+            torch.compile(model, dynamic=None if self.packed else False, options=options) if compile_model else model
+        )
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
@@ -277,6 +284,8 @@ class GraphedStepper:
         token_index = packed_token_index(lengths, self.seq_len, size=capacity)
         if capacity not in self.token_indices:
             self.token_indices[capacity] = torch.zeros(capacity, dtype=torch.long, device=self.device)
+            if self.compiled:
+                torch._dynamo.mark_dynamic(self.token_indices[capacity], 0)
         # Pinned staging makes the copies asynchronous; torch keeps each staging block until its copy is done.
         pinned = self.device.type == "cuda"
         for target, source in (
