@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing
 from conftest import tiny_config
+from torch._dynamo.utils import counters
 
 from data_loaders import (
     encode_birthplace_examples,
@@ -301,12 +302,22 @@ def test_compiled_bf16_steps_follow_the_uncompiled_ones(pretraining_data, tmp_pa
         trainer.optimizer = trainer._make_optimizer(graphed=True)
         stepper = GraphedStepper(trainer, compile_model=compiled, bucket=64)
         stepper.autocast_dtype = torch.bfloat16
-        losses[compiled] = []
+        losses[compiled], capacities = [], set()
+        torch._dynamo.reset()
+        counters.clear()
         for step in range(6):
             trainer.optimizer.zero_grad(set_to_none=True)
-            stepper._body(stepper._prepare_packed(step))
+            capacity = stepper._prepare_packed(step)
+            capacities.add(capacity)
+            stepper._body(capacity)
             losses[compiled].append(stepper.take_loss().item())
     assert losses[True] == pytest.approx(losses[False], rel=2e-2), losses
+    # Traced and lowered once for every token count: no recompilation per bucket, and no lowering thrown
+    # away (compiling with dynamic=True made float attributes symbolic, and dynamo started over).
+    assert len(capacities) > 1
+    assert counters["aot_autograd"]["total"] == counters["stats"]["unique_graphs"], dict(counters)
+    if attention_type != "perceiver":  # the perceiver's step breaks into several graphs (data-dependent branches)
+        assert counters["stats"]["unique_graphs"] == 1, dict(counters)
     assert losses[False][-1] < losses[False][0]  # it trains
 
 
