@@ -459,6 +459,16 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """transformers' resize, and the further heads (`config.future_tokens`) resized as `lm_head` is: they
+        predict the same vocabulary."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        for index, head in enumerate(self.future_heads):
+            self.future_heads[index] = self._get_resized_lm_head(
+                head, embeddings.num_embeddings, mean_resizing=mean_resizing
+            )
+        return embeddings
+
     @_deprecated_cache_keyword
     def forward(
         self,

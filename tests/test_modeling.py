@@ -338,7 +338,7 @@ def test_future_token_heads_round_trip_and_leave_generation_alone(tmp_path):
     assert loaded.config.future_tokens == 1
     assert torch.equal(loaded.future_heads[0].weight, model.future_heads[0].weight)
     prompt = random_ids(1, 5)
-    plain = make_model("vanilla")  # the same seed and perturbation: the trunk and lm_head are the same numbers
+    plain = make_model("vanilla")  # the same trunk and lm_head, without the further head
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("future_heads")})
     settings = dict(max_new_tokens=6, do_sample=False)
     assert torch.equal(loaded.generate(prompt, **settings), plain.generate(prompt, **settings))
@@ -352,3 +352,12 @@ def test_future_token_heads_round_trip_and_leave_generation_alone(tmp_path):
 def test_future_token_settings_are_validated(overrides, field):
     with pytest.raises(ValueError, match=field):
         tiny_config(**overrides)
+
+
+def test_resizing_the_vocabulary_resizes_the_further_heads():
+    model = make_model("vanilla", future_tokens=2).train()
+    model.resize_token_embeddings(VOCAB + 5, mean_resizing=False)
+    assert model.config.vocab_size == VOCAB + 5
+    assert all(head.weight.shape == (VOCAB + 5, 16) for head in model.future_heads)
+    ids = torch.randint(2, VOCAB + 5, (2, 10), generator=torch.Generator().manual_seed(3))
+    model(ids, labels=ids).loss.backward()  # the new ids are targets of every head

@@ -62,9 +62,9 @@ QUICKSTART = Recipe(
         "with RoPE, recite, then answer (the biographies are shorter: block 160, recitation and documents "
         "96 characters), half of the document exposures read as plain text, 2 layers of width 128 with "
         "dropout 0.1 on embeddings and residual branches (none on attention weights), a second head predicting "
-        "the token after next (multi-token prediction), batch 16, learning rate 3e-3, 150 epochs, so pretrain → evaluate fits in a few minutes on two cores. Chosen on the last "
-        "36 synthetic training people held out (benchmarks/RESULTS.md); the synthetic corpus is made up and "
-        "tells nothing about the CS224N data."
+        "the token after next (multi-token prediction), batch 16, learning rate 3e-3, 150 epochs, so pretrain → "
+        "evaluate takes a few minutes on two cores. Chosen on the last 36 synthetic training people held out "
+        "(benchmarks/RESULTS.md); the synthetic corpus is made up and tells nothing about the CS224N data."
     ),
     model=dict(
         n_layer=2,
