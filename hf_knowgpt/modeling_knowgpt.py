@@ -532,7 +532,9 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
                 targets = targets[:, -logits_to_keep:]
             loss = causal_lm_loss(logits, targets, num_items_in_batch)
             if self.training and len(self.future_heads) and not (token_index is None and logits_to_keep):
-                normalizer = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
+                normalizer = num_items_in_batch
+                if normalizer is None:  # the next-token loss's count (its mean), at least 1
+                    normalizer = (targets != -100).sum().clamp(min=1)
                 loss = loss + self._future_token_loss(hidden_states, next_targets, token_index, normalizer)
 
         output = _with_cache(
@@ -550,9 +552,6 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
         next-token loss's count, so that both weigh a target alike). `next_targets` (B, T): the token after each
         position; head j's target at t is the one `j · future_token_spacing` positions after that, within
         the row (-100 past its end)."""
-        if not torch.is_tensor(normalizer):
-            normalizer = torch.tensor(normalizer, device=hidden_states.device)
-        normalizer = normalizer.to(hidden_states.device).clamp(min=1)
         losses = []
         for number, head in enumerate(self.future_heads, start=1):
             further = number * self.config.future_token_spacing

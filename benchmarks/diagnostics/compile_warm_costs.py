@@ -17,6 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.bench_user_path import CACHES  # noqa: E402
+
 REPORT = r"""
 import atexit, json, os, runpy, sys
 def report():
@@ -45,7 +49,7 @@ def main():
     parser.add_argument("--output", default=None, help="JSON of both runs")
     args = parser.parse_args()
     caches = tempfile.mkdtemp(prefix="compile-caches-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
+    env = dict(os.environ, **{name: f"{caches}/{name}" for name in CACHES})  # shared by both runs
     runs = []
     for name in ("cold", "warm"):
         report = Path(caches) / f"{name}.json"
