@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import analyze_knowledge, cli
 
 if __name__ == "__main__":
-    cli.main_guard(analyze_knowledge.main)
+    cli.run_script(analyze_knowledge.main)

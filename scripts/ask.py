@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import ask, cli
 
 if __name__ == "__main__":
-    cli.main_guard(ask.main)
+    cli.run_script(ask.main)

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, convert_cs224n_checkpoint
 
 if __name__ == "__main__":
-    cli.main_guard(convert_cs224n_checkpoint.main)
+    cli.run_script(convert_cs224n_checkpoint.main)

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, evaluate
 
 if __name__ == "__main__":
-    cli.main_guard(evaluate.main)
+    cli.run_script(evaluate.main)

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, finetune
 
 if __name__ == "__main__":
-    cli.main_guard(finetune.main)
+    cli.run_script(finetune.main)

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, london_baseline
 
 if __name__ == "__main__":
-    cli.main_guard(london_baseline.main)
+    cli.run_script(london_baseline.main)

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, pretrain
 
 if __name__ == "__main__":
-    cli.main_guard(pretrain.main)
+    cli.run_script(pretrain.main)

@@ -6,13 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/quickstart}
-# every value accelerate would otherwise warn about, given; one process with all CPU threads
-launch="accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no --num_cpu_threads_per_process $(nproc)"
+# one process on all CPU threads: plain python (`accelerate launch` would add 2.5–3.3 s to each run here)
+launch="python scripts/train.py"
 
 echo "== with pretraining"
-$launch scripts/train.py --recipe quickstart --output_dir "$out" --overwrite_output_dir
+$launch --recipe quickstart --output_dir "$out" --overwrite_output_dir
 echo "== without pretraining"
-$launch scripts/train.py --recipe quickstart --no_do_pretrain --output_dir "$out-scratch" --overwrite_output_dir
+$launch --recipe quickstart --no_do_pretrain --output_dir "$out-scratch" --overwrite_output_dir
 echo "== asking the pretrained model through pipeline(\"birthplace-qa\")"
 dev=$(python -c "from data_loaders import synthetic_corpus_files; print(synthetic_corpus_files().dev)")
 python scripts/ask.py --model_name_or_path "$out/pretrained" --from_file "$dev" --limit 5

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, run
 
 if __name__ == "__main__":
-    cli.main_guard(run.main)
+    cli.run_script(run.main)

@@ -7,4 +7,4 @@
 from hf_knowgpt.commands import cli, train
 
 if __name__ == "__main__":
-    cli.main_guard(train.main)
+    cli.run_script(train.main)

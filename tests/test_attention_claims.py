@@ -69,6 +69,35 @@ def test_rope_scores_depend_only_on_relative_position(t1, t2):
     assert rotate(query, t1).norm().item() == pytest.approx(query.norm().item(), rel=1e-5)  # a rotation
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_eager_and_compiled_rotate_each_pair_by_its_angle(dtype):
+    """Eagerly a complex product, under torch.compile real arithmetic: both are the 2×2 rotation of each
+    adjacent pair, in value and in gradient."""
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 5, 3, 8, generator=generator).to(dtype)  # (B, T, H, D)
+    cos, sin = rotary_angles(torch.arange(5)[None] + 3, head_dim=8, theta=10000.0)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    even, odd = states.float()[..., 0::2], states.float()[..., 1::2]
+    expected = torch.zeros(states.shape)
+    expected[..., 0::2], expected[..., 1::2] = even * cos - odd * sin, even * sin + odd * cos
+    upstream = torch.randn(states.shape, generator=generator).to(dtype)
+    results = []
+    for rotate in (apply_rotary, torch.compile(apply_rotary, backend="aot_eager", fullgraph=True)):
+        leaf = states.clone().requires_grad_()
+        rotated = rotate(leaf, cos, sin)
+        (rotated.float() * upstream.float()).sum().backward()
+        results.append((rotated, leaf.grad))
+    for rotated, grad in results:
+        assert rotated.dtype == dtype
+        torch.testing.assert_close(rotated, expected.to(dtype))  # fp32: within a few ulps (fused or not)
+        # the gradient rotates back: by the angle's negative
+        up_even, up_odd = upstream.float()[..., 0::2], upstream.float()[..., 1::2]
+        expected_grad = torch.zeros(states.shape)
+        expected_grad[..., 0::2] = up_even * cos + up_odd * sin
+        expected_grad[..., 1::2] = -up_even * sin + up_odd * cos
+        torch.testing.assert_close(grad, expected_grad.to(dtype))
+
+
 def test_query_on_the_sum_of_two_orthonormal_keys_averages_their_values():
     torch.manual_seed(0)
     keys = torch.linalg.qr(torch.randn(16, 16))[0][:6]  # 6 orthonormal keys of width 16

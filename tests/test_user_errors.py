@@ -257,3 +257,35 @@ def test_a_training_log_in_a_file_holds_lines_not_progress_bars(corpus, tmp_path
     assert result.stdout.count("training: step 8/8") == 1  # the last step's line, plain, once
     card = (tmp_path / "run" / "finetuned" / "README.md").read_text()
     assert "https://github.com/)" not in card and "base_model:" not in card
+
+
+def test_a_script_ends_at_once_after_what_a_normal_exit_would_finish(tmp_path):
+    """`cli.run_script` skips the interpreter's teardown, not what others registered for the exit: atexit
+    handlers run, a non-daemon thread finishes, buffered output is written, and the status is the script's."""
+    program = tmp_path / "script.py"
+    program.write_text(
+        "import atexit, sys, threading, time\n"
+        "from pathlib import Path\n"
+        "from hf_knowgpt.commands import cli\n"
+        "from hf_knowgpt.utils.errors import InputError\n"
+        "out = Path(sys.argv[2])\n"
+        "def main():\n"
+        "    atexit.register(lambda: (out / 'atexit').write_text('ran'))\n"
+        "    threading.Thread(target=lambda: (time.sleep(0.5), (out / 'thread').write_text('done'))).start()\n"
+        "    print('buffered', end='')\n"
+        "    if sys.argv[1] == 'user-error':\n"
+        "        raise InputError(out / 'input.txt', 'is unreadable', 'give another')\n"
+        "    if sys.argv[1] == 'exit-message':\n"
+        "        sys.exit('stopped')\n"
+        "cli.run_script(main)\n"
+    )
+    for mode, status in (("ok", 0), ("user-error", 2), ("exit-message", 1)):
+        out = tmp_path / mode
+        out.mkdir()
+        result = run(program, mode, out)
+        assert result.returncode == status, result.stderr[-2000:]
+        assert result.stdout == "buffered"
+        assert (out / "atexit").read_text() == "ran"
+        assert (out / "thread").read_text() == "done"
+    assert_one_line_error(run(program, "user-error", tmp_path / "user-error"), "input.txt", "is unreadable")
+    assert run(program, "exit-message", tmp_path / "exit-message").stderr.strip() == "stopped"

@@ -9,7 +9,9 @@ process, medians printed last:
 2. one AdamW step over the model's parameters: for-loop, `foreach`, fused;
 3. whole training steps (16 rows of 150 characters, forward, backward, AdamW), the model's dropouts
    switched between the two kinds every 15 steps, alternating so that the machine's drift hits both;
-4. the same steps in fp32 against bf16 autocast (the model's own dropouts), alternating the same way.
+4. the same steps in fp32 against bf16 autocast (the model's own dropouts), alternating the same way;
+5. the same steps with rope's rotation as the model does it eagerly (one complex product) against the
+   real arithmetic (four products, two sums and a stack, what it compiles to), alternating the same way.
 """
 
 import argparse
@@ -19,9 +21,16 @@ import time
 import torch
 from torch import nn
 
-from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, attention_knowgpt
 from hf_knowgpt.attention_knowgpt import KnowGPTDropout
 from hf_knowgpt.training.optimization import handout_parameter_groups
+
+
+def rotary_by_real_arithmetic(states, cos, sin):
+    """The rotation of `attention_knowgpt.apply_rotary` in real operations, as it runs under torch.compile."""
+    even, odd = states[..., 0::2].float(), states[..., 1::2].float()
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(states.dtype)
 
 
 def milliseconds(function, repeats: int, rounds: int) -> float:
@@ -87,6 +96,16 @@ def main():
             precision_times[autocast].append(milliseconds(lambda autocast=autocast: step(autocast), 15, 1))
     for autocast, times in precision_times.items():
         rows.append((f"training step, {'bf16 autocast' if autocast else 'fp32'}", statistics.median(times)))
+
+    rotations = {"complex product": attention_knowgpt.apply_rotary, "real arithmetic": rotary_by_real_arithmetic}
+    rotary_times = {name: [] for name in rotations}
+    for _ in range(args.rounds):
+        for name, rotation in rotations.items():
+            attention_knowgpt.apply_rotary = rotation
+            rotary_times[name].append(milliseconds(step, 15, 1))
+    attention_knowgpt.apply_rotary = rotations["complex product"]
+    for name, times in rotary_times.items():
+        rows.append((f"training step, rope rotation by {name}", statistics.median(times)))
 
     print(f"\n{'CPU, ' + str(torch.get_num_threads()) + ' threads':<64}{'ms (median)':>12}")
     for name, value in rows:

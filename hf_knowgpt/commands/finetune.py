@@ -61,4 +61,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.main_guard(main)
+    cli.run_script(main)

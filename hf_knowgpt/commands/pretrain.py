@@ -47,4 +47,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    cli.main_guard(main)
+    cli.run_script(main)

@@ -137,4 +137,4 @@ def readable_checkpoint(args):
 
 
 if __name__ == "__main__":
-    cli.main_guard(main)
+    cli.run_script(main)
