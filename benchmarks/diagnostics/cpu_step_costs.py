@@ -11,7 +11,9 @@ process, medians printed last:
    switched between the two kinds every 15 steps, alternating so that the machine's drift hits both;
 4. the same steps in fp32 against bf16 autocast (the model's own dropouts), alternating the same way;
 5. the same steps with rope's rotation as the model does it eagerly (one complex product) against the
-   real arithmetic (four products, two sums and a stack, what it compiles to), alternating the same way.
+   real arithmetic (four products, two sums and a stack, what it compiles to), alternating the same way;
+6. the same steps through `torch.compile` (inductor's C++ kernels) against eager, alternating the same way,
+   after the first compiled step, whose time (the compilation) is printed too.
 """
 
 import argparse
@@ -74,9 +76,9 @@ def main():
     optimizer = torch.optim.AdamW(handout_parameter_groups(model, 0.1), lr=1e-3, fused=True)
     ids = torch.randint(0, 100, (16, 150))
 
-    def step(autocast: bool = False):
+    def step(autocast: bool = False, forward=model):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = forward(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -106,6 +108,17 @@ def main():
     attention_knowgpt.apply_rotary = rotations["complex product"]
     for name, times in rotary_times.items():
         rows.append((f"training step, rope rotation by {name}", statistics.median(times)))
+
+    compiled = torch.compile(model, dynamic=False)
+    started = time.perf_counter()
+    step(forward=compiled)
+    rows.append(("first compiled training step (compilation included)", (time.perf_counter() - started) * 1e3))
+    compile_times = {"eager": [], "compiled": []}
+    for _ in range(args.rounds):
+        for name, forward in (("eager", model), ("compiled", compiled)):
+            compile_times[name].append(milliseconds(lambda forward=forward: step(forward=forward), 15, 1))
+    for name, times in compile_times.items():
+        rows.append((f"training step, {name}", statistics.median(times)))
 
     print(f"\n{'CPU, ' + str(torch.get_num_threads()) + ' threads':<64}{'ms (median)':>12}")
     for name, value in rows:
