@@ -318,7 +318,7 @@ def main(argv=None):
     scored_on = f"the last {args.heldout} training questions (held out)" if args.heldout else "birth_dev.tsv"
     print(f"\n{device}; exact match on {scored_on}; whole commands ({' '.join(launch)} scripts/train.py ...)")
     print(
-        f"{'variant':<26}{'params':>11}{'seeds':>6}{'mean':>8}{'std':>6}{'per seed':>22}{'train s':>9}{'process s':>11}  anchor"
+        f"{'variant':<26}{'params':>11}{'seeds':>6}{'mean':>8}{'std':>6} {'per seed':>22}{'train s':>9}{'process s':>11}  anchor"
     )
     for variant in dict.fromkeys(r["variant"] for r in rows):
         group = [r for r in rows if r["variant"] == variant]
@@ -329,7 +329,7 @@ def main(argv=None):
         per_seed = " ".join(f"{a:.1f}" for a in accuracies)
         print(
             f"{variant:<26}{group[0]['parameters']:>11}{len(group):>6}{statistics.mean(accuracies):>7.1f}%"
-            f"{spread:>6.1f}{per_seed:>22}{train:>9.0f}{process:>11.0f}  {ANCHORS.get(variant.split('+')[0], '')}"
+            f"{spread:>6.1f} {per_seed:>22}{train:>9.0f}{process:>11.0f}  {ANCHORS.get(variant.split('+')[0], '')}"
         )
     return rows
 

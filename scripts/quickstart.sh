@@ -6,8 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-outputs/quickstart}
-# one process on all CPU threads: plain python (`accelerate launch` would add 2.5–3.3 s to each run here)
-launch="python scripts/train.py"
+# one process on all CPU threads: plain python (`accelerate launch` would add 2.5–3.3 s to each run here);
+# bf16 autocast where the CPU has bf16 instructions (AVX-512 BF16 or AMX: a fifth less time on the project's
+# CPU), fp32 elsewhere, where bf16 would be emulated and slower
+precision=no
+if grep -qswE "avx512_bf16|amx_bf16" /proc/cpuinfo; then precision=bf16; fi
+launch="python scripts/train.py --mixed_precision $precision"
 
 echo "== with pretraining"
 $launch --recipe quickstart --output_dir "$out" --overwrite_output_dir

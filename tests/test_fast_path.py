@@ -75,9 +75,9 @@ def test_static_length_trimming_keeps_the_loss(pretraining_data):
     assert abs(full.item() - trimmed.item()) < TOLERANCE
 
 
-def make_trainer(tmp_path, data, model, graphed):
+def make_trainer(tmp_path, data, model, graphed, mixed_precision=None):
     args = TrainingArguments(output_dir=str(tmp_path), max_epochs=2, batch_size=16, learning_rate=3e-3,
-                             training_path="eager")  # fmt: skip
+                             training_path="eager", mixed_precision=mixed_precision)  # fmt: skip
     trainer = KnowGPTTrainer(model, data, args, make_accelerator(args, cpu=True))
     device = trainer.accelerator.device
     lr = torch.tensor(args.learning_rate) if graphed else args.learning_rate
@@ -117,6 +117,24 @@ def test_length_groups_take_the_same_optimizer_step(pretraining_data, tmp_path, 
         assert torch.allclose(a, b, atol=1e-7, rtol=1e-4)
     for a, b in zip(params_one, params_groups):
         assert torch.allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("mixed_precision, multiple", [("no", 1), ("bf16", 64)])
+def test_packed_token_counts_repeat_under_bf16_on_a_cpu(pretraining_data, tmp_path, mixed_precision, multiple):
+    """oneDNN builds bf16 kernels for each new shape, so on a CPU under bf16 the packed token count is rounded
+    up to a multiple of 64 (padding positions without targets); in fp32 only real tokens are computed."""
+    tokenizer, data = pretraining_data
+    batch = data.batch(torch.arange(16), torch.Generator().manual_seed(3))
+    trainer = make_trainer(tmp_path, data, fresh_model(len(tokenizer)), graphed=False, mixed_precision=mixed_precision)
+    counts = []
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: counts.append(len(kwargs["token_index"])), with_kwargs=True
+    )
+    trainer.optimizer_step(batch, rank=0, world=1)
+    real = int(batch.lengths.sum())
+    assert len(counts) == 1 and counts[0] >= real
+    assert counts[0] % multiple == 0 and counts[0] - real < multiple
+    assert (counts[0] == real) == (multiple == 1 or real % multiple == 0)
 
 
 def question_data(tokenizer):
@@ -386,3 +404,25 @@ def test_mixed_data_holds_documents_and_questions(pretraining_data):
     )
     lengths, _ = mixed.plan(indices, torch.Generator().manual_seed(0))
     assert torch.equal(lengths, batch.lengths)
+
+
+def test_triton_is_pointed_at_torchs_ptxas_unless_the_user_chose_one(tmp_path, monkeypatch):
+    """inductor sets TRITON_PTXAS_PATH when it first compiles and Triton keys its cache on it: a CUDA run sets
+    the same value first, so every kernel build of every process sees one value."""
+    from hf_knowgpt.kernels import pin_triton_ptxas
+
+    ptxas = tmp_path / "bin" / "ptxas"
+    ptxas.parent.mkdir()
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o755)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "__init__.py"))
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    pin_triton_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == str(ptxas)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/my/ptxas")
+    pin_triton_ptxas()
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/my/ptxas"
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    ptxas.unlink()  # a torch without its own ptxas: Triton keeps its own
+    pin_triton_ptxas()
+    assert "TRITON_PTXAS_PATH" not in os.environ

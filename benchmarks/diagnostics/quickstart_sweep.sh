@@ -4,10 +4,11 @@
 # row the one command `scripts/train.py --recipe quickstart <flags>` (variants `quickstart+name=value`),
 # several rows at once on one GPU in fp32 (accuracy only; CPU time is measured separately with
 # scripts/quickstart.sh). Usage:
-#   bash benchmarks/gpu_machine.sh bash benchmarks/diagnostics/quickstart_sweep.sh RESULTS.json VARIANTS SEEDS
-# VARIANTS: a comma-separated list or a file of one (benchmarks/diagnostics/quickstart_sweep_variants.txt).
+#   bash benchmarks/gpu_machine.sh bash benchmarks/diagnostics/quickstart_sweep.sh RESULTS.json VARIANTS SEEDS [PRECISION]
+# VARIANTS: a comma-separated list or a file of one (benchmarks/diagnostics/quickstart_sweep_variants.txt);
+# PRECISION: every command's --mixed_precision, no (the default) or bf16.
 set -euo pipefail
-results=$1 variants=$2 seeds=${3:-0}
+results=$1 variants=$2 seeds=${3:-0} precision=${4:-no}
 [ -f "$variants" ] && variants=$(tr -d "\n" < "$variants")  # a file of variants, for long lists
 data=/tmp/synthetic-cs224n-names
 python3 - "$data" <<'PY'
@@ -21,4 +22,4 @@ for source, name in ((files.corpus, "wiki.txt"), (files.train, "birth_places_tra
     shutil.copy(source, target / name)
 PY
 python3 benchmarks/reproduce.py --data_dir "$data" --heldout 36 --seeds "$seeds" --gpus 0,0,0,0,0,0,0,0 \
-    --variants "$variants" --output_dir /tmp/quickstart-sweep --results "$results"
+    --variants "$variants" --output_dir /tmp/quickstart-sweep --results "$results" --mixed_precision "$precision"

@@ -1,3 +1,21 @@
 """Attention kernels the model can run (`attn_implementation="triton"`): `fused_attention`, a fused causal
 attention kernel for short bf16 sequences in Triton. The model imports it on first use, by its absolute name:
 checkpoints do not carry it, and their code runs SDPA where the package is not installed."""
+
+import os
+from pathlib import Path
+
+
+def pin_triton_ptxas() -> None:
+    """Point Triton at torch's own ptxas (TRITON_PTXAS_PATH), as inductor does when it first compiles.
+
+    Triton keys its disk cache on that variable, so a kernel built before inductor set it (say, the fused
+    attention kernel launched eagerly) and the same kernel looked up after (a finetuning stage that follows a
+    compiled pretraining stage) missed each other's builds, in every process: 1.96 s of a warm compiled run
+    (benchmarks/RESULTS.md). Set once at the start of a CUDA run, every build sees the same value. A value
+    the user set is kept."""
+    import torch
+
+    ptxas = Path(torch.__file__).parent / "bin" / "ptxas"
+    if "TRITON_PTXAS_PATH" not in os.environ and ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)

@@ -24,7 +24,10 @@ class TrainingArguments:
     shuffle: bool = False
     seed: int = 0
     packed: bool = True
-    pack_multiple: int = 1
+    # Eager path: the packed token count rounded up to a multiple of this (padding positions, no targets).
+    # None: 64 under bf16 on a CPU, where oneDNN builds its kernels for each new shape (10 quickstart epochs:
+    # 14.3 s against 16.9 s unrounded, benchmarks/RESULTS.md), else 1.
+    pack_multiple: int | None = None
     # Eager path: rows sorted by length and run as this many gradient-accumulated groups, each only as wide
     # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: up to 4 groups
     # of ≥ 32 rows on CPU, 1 on GPU (where more, smaller kernels cost more than they save). Same gradient;

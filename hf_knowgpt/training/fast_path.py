@@ -170,11 +170,6 @@ class GraphedStepper:
         self.model = (
             torch.compile(model, dynamic=None if self.packed else False, options=options) if compile_model else model
         )
-        # Compiled, the first warm-up step still runs eagerly, before inductor compiles anything: Triton then
-        # loads the fused kernels' eager builds, which a later uncompiled stage (finetuning) launches, from its
-        # disk cache. Loaded after inductor had run, they missed that cache and were built anew in every
-        # process (1.96 s of a warm run's finetuning, benchmarks/RESULTS.md).
-        self.eager_model = model if compile_model else None
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
@@ -214,7 +209,7 @@ class GraphedStepper:
         self.capture_seconds = 0.0
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
-    def _body(self, capacity=None, model=None):
+    def _body(self, capacity=None):
         trainer, args = self.trainer, self.trainer.args
         step = self.step_counter
         if self.packed:
@@ -239,7 +234,7 @@ class GraphedStepper:
             enabled=self.autocast_dtype is not None,
             cache_enabled=False,
         ):
-            loss = (model or self.model)(
+            loss = self.model(
                 input_ids=input_ids,
                 labels=labels,
                 token_index=token_index,
@@ -335,8 +330,7 @@ class GraphedStepper:
         with torch.cuda.stream(side_stream):
             for _ in range(self.WARMUP_STEPS):
                 self.optimizer.zero_grad(set_to_none=True)
-                self._body(capacity, model=self.eager_model)
-                self.eager_model = None
+                self._body(capacity)
         torch.cuda.current_stream().wait_stream(side_stream)
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()

@@ -409,7 +409,10 @@ class KnowGPTTrainer:
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
         elif device.type == "cuda":
+            from ..kernels import pin_triton_ptxas
             from ..kernels.fused_attention import fused_attention_available
+
+            pin_triton_ptxas()
 
             if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
                 unwrapped.set_attn_implementation("triton")
@@ -512,6 +515,9 @@ class KnowGPTTrainer:
             rows = torch.tensor_split(torch.arange(input_ids.shape[0]), world)[rank]
             device_rows = rows.to(input_ids.device)
             input_ids, labels, lengths = input_ids[device_rows], labels[device_rows], lengths[rows]
+        multiple = args.pack_multiple
+        if multiple is None:
+            multiple = 64 if input_ids.device.type == "cpu" and accelerator.mixed_precision == "bf16" else 1
         groups = args.length_groups
         if groups is None:  # on CPU, groups of 32 rows or more (up to 4): smaller ones cost more than they save
             groups = min(4, max(1, input_ids.shape[0] // 32)) if input_ids.device.type == "cpu" else 1
@@ -529,7 +535,7 @@ class KnowGPTTrainer:
                 group_lengths = lengths[rows]
             token_index = None
             if packed:
-                token_index = packed_token_index(group_lengths, group_ids.shape[1], args.pack_multiple)
+                token_index = packed_token_index(group_lengths, group_ids.shape[1], multiple)
                 token_index = token_index.to(input_ids.device, non_blocking=True)
             last = number == len(row_groups) - 1
             with accelerator.no_sync(self.model) if not last else contextlib.nullcontext():
