@@ -245,7 +245,7 @@ def apply_rotary(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     if torch.compiler.is_compiling():  # inductor fuses the real arithmetic into one kernel; it has no complex ones
         even, odd = pairs.unbind(-1)
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    else:  # eager: one complex product each way, not six real operations and a stack (a seventh of a CPU step)
+    else:  # eager: one complex product each way, not six real operations and a stack (3% of a CPU step)
         rotated = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * torch.complex(cos, sin))
     return rotated.flatten(-2).to(states.dtype)
 

@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_user_path import CACHES  # noqa: E402
 
 
 def _log_triton_compilations() -> list:
@@ -74,7 +77,7 @@ def main():
     parser.add_argument("--profile", default=None, help="write the warm run's cProfile statistics here")
     args = parser.parse_args()
     caches = Path(tempfile.mkdtemp(prefix="knowgpt-tail-"))
-    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+    for variable in CACHES:
         os.environ[variable] = str(caches / variable)
     flags = ["--recipe", "handout", "--attention_type", "vanilla", "--data_dir", args.data_dir,
              "--mixed_precision", "bf16", "--torch_compile", "--pretrain_max_epochs", str(args.epochs)]  # fmt: skip

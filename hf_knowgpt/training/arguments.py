@@ -26,7 +26,7 @@ class TrainingArguments:
     packed: bool = True
     # Eager path: the packed token count rounded up to a multiple of this (padding positions, no targets).
     # None: 64 under bf16 on a CPU, where oneDNN builds its kernels for each new shape (10 quickstart epochs:
-    # 14.3 s against 16.9 s unrounded, benchmarks/RESULTS.md), else 1.
+    # 13.5–13.9 s against 16.9–17.6 s unrounded, benchmarks/RESULTS.md), else 1.
     pack_multiple: int | None = None
     # Eager path: rows sorted by length and run as this many gradient-accumulated groups, each only as wide
     # as its longest row, so attention (and its dropout masks) covers ~half the grid. None: up to 4 groups

@@ -412,8 +412,7 @@ class KnowGPTTrainer:
             from ..kernels import pin_triton_ptxas
             from ..kernels.fused_attention import fused_attention_available
 
-            pin_triton_ptxas()
-
+            pin_triton_ptxas()  # before any kernel is built: inductor would set it later, between builds
             if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
                 unwrapped.set_attn_implementation("triton")
             if args.fused_layers and not args.compile and path == "graphed":
