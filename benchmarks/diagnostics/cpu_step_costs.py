@@ -28,13 +28,6 @@ from hf_knowgpt.attention_knowgpt import KnowGPTDropout
 from hf_knowgpt.training.optimization import handout_parameter_groups
 
 
-def rotary_by_real_arithmetic(states, cos, sin):
-    """The rotation of `attention_knowgpt.apply_rotary` in real operations, as it runs under torch.compile."""
-    even, odd = states[..., 0::2].float(), states[..., 1::2].float()
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(states.dtype)
-
-
 def milliseconds(function, repeats: int, rounds: int) -> float:
     """Median over `rounds` of the mean time of `repeats` calls, after a warm-up."""
     for _ in range(3):
@@ -99,7 +92,10 @@ def main():
     for autocast, times in precision_times.items():
         rows.append((f"training step, {'bf16 autocast' if autocast else 'fp32'}", statistics.median(times)))
 
-    rotations = {"complex product": attention_knowgpt.apply_rotary, "real arithmetic": rotary_by_real_arithmetic}
+    rotations = {
+        "complex product": attention_knowgpt.apply_rotary,
+        "real arithmetic": attention_knowgpt.rotary_by_real_arithmetic,
+    }
     rotary_times = {name: [] for name in rotations}
     for _ in range(args.rounds):
         for name, rotation in rotations.items():
