@@ -185,7 +185,11 @@ def main(argv=None):
             "uncompiled-cold-fused-layers": [*direct, "--fused_layers"],
             "uncompiled-warm-fused-layers": [*direct, "--fused_layers"],
         }
-        for run in runs:
+        # a run named twice is kept twice: the second as "<run> (2)", and so on
+        keys = [
+            run if runs[:i].count(run) == 0 else f"{run} ({runs[:i].count(run) + 1})" for i, run in enumerate(runs)
+        ]
+        for run, key in zip(runs, keys):
             output_dir = work / f"run-{len(results)}"
             command = [*commands[run], "--output_dir", output_dir]
             env = {name: str(work / name) for name in CACHES}  # one set of caches, emptied by a cold run
@@ -197,7 +201,7 @@ def main(argv=None):
             clock = {}
             seconds, output = timed(command, work / f"{output_dir.name}.log", env=env, clock=clock)
             summary = json.loads((output_dir / "results.json").read_text())
-            results[run] = {
+            results[key] = {
                 "command": " ".join(map(str, command)),
                 "env": env,
                 "output_dir": str(output_dir),
@@ -205,8 +209,8 @@ def main(argv=None):
                 "accuracy": accuracy_line(output),
                 "breakdown_s": breakdown(clock["started"], clock["ended"], summary),
             }
-            print(json.dumps(results[run]), flush=True)
-        checkpoint = Path(results[runs[-1]]["output_dir"]) / "finetuned"
+            print(json.dumps(results[key]), flush=True)
+        checkpoint = Path(results[keys[-1]]["output_dir"]) / "finetuned"
         seconds, output = timed(
             [sys.executable, SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path",
              data / "birth_dev.tsv", "--outputs_path", work / "evaluate.predictions"],
@@ -234,6 +238,7 @@ def main(argv=None):
         f"pretraining epoch, {1000 * handout['question_s']:.0f} ms per question"
         + (f", {handout['correct']} of {handout['questions']} right)" if handout["whole_recipe_run"] else ")")
     )
+    runs = [key for key in results if key.split(" (")[0] in RUNS]
     for run in runs:
         row = results[run]
         print(

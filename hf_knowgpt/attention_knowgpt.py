@@ -15,7 +15,7 @@ run in the config's `attention_kernel_dtype`. Masks are position based and built
 
 import math
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 from torch import nn
@@ -69,6 +69,12 @@ class KnowGPTDropout(nn.Dropout):
         return input.mul(keep).mul_(65536 / (65536 - dropped_levels))
 
 
+# Groups of rows for attention on a CPU (TokenGrid.length_groups). A packed quickstart step under bf16 (16 rows of
+# a batch's lengths) took 41.3 ms in 4 groups, 43.2 in 3, 47.8 in 2, 42.2 in 5 and 49.4 ms in one grid
+# (medians of 10 alternating rounds, the project's CPU; benchmarks/RESULTS.md).
+LENGTH_GROUPS = 4
+
+
 class TokenGrid:
     """Where the computed tokens sit in the (batch, time) grid.
 
@@ -113,6 +119,60 @@ class TokenGrid:
         counts = torch.zeros(self.batch_size, dtype=torch.int32, device=rows.device)
         return counts.index_add_(0, rows, torch.ones_like(rows, dtype=torch.int32))
 
+    @cached_property
+    def length_groups(self) -> "LengthGroups | None":
+        """On a CPU, packed rows that come longest first (as the trainer orders them there) as up to
+        `LENGTH_GROUPS` groups of consecutive rows, each in a grid only as wide as its longest row. SDPA's cost
+        grows with rows × width², and a batch's rows differ in length (the quickstart's: 89 tokens on average,
+        the longest 125), so attention group by group does 0.6 of the work (4 groups). None where it does not apply
+        (elsewhere the lengths would be read from the device, and a GPU trains packed through the fused
+        kernel) or would save under a fifth."""
+        if not self.packed or self.token_index.device.type != "cpu" or self.batch_size < 2:
+            return None
+        lengths = self.row_lengths
+        if bool((lengths[1:] > lengths[:-1]).any()):
+            return None
+        shapes, indices, offset, work = [], [], 0, 0
+        for rows in torch.arange(self.batch_size).tensor_split(min(LENGTH_GROUPS, self.batch_size)):
+            group_lengths = lengths[rows]
+            width = int(group_lengths[0])
+            if width == 0:  # this row and the ones after it have no tokens
+                break
+            real = torch.arange(width)[None] < group_lengths[:, None]
+            indices.append(real.flatten().nonzero()[:, 0] + offset)
+            shapes.append((len(rows), width))
+            offset, work = offset + len(rows) * width, work + len(rows) * width**2
+        if not shapes or work >= 0.8 * self.batch_size * self.seq_len**2:
+            return None
+        return LengthGroups(torch.cat(indices), shapes)
+
+
+class LengthGroups:
+    """Packed tokens laid out as several grids of rows, one after another in one flat buffer: group g holds
+    `shapes[g]` = (rows, width) positions, and packed token i sits at `index[i]` of the buffer. One scatter
+    and one gather for all groups, and the buffer splits into the groups' grids as views."""
+
+    def __init__(self, index: torch.Tensor, shapes: list[tuple[int, int]]):
+        self.index = index
+        self.shapes = shapes
+        self.sizes = [rows * width for rows, width in shapes]
+        # each buffer position's index in its row
+        self.positions = torch.cat([torch.arange(width).repeat(rows) for rows, width in shapes])
+
+    def to_buffer(self, states: torch.Tensor) -> torch.Tensor:
+        """Packed (N, ...) states into the buffer (Σ rows·width, ...), zeros at the padding."""
+        buffer = states.new_zeros((sum(self.sizes), *states.shape[1:]))
+        return buffer.index_copy(0, self.index, states)
+
+    def grids(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The buffer as each group's (rows, width, ...) grid."""
+        parts = buffer.split(self.sizes)
+        return [part.view(rows, width, *buffer.shape[1:]) for part, (rows, width) in zip(parts, self.shapes)]
+
+    def from_grids(self, grids: list[torch.Tensor]) -> torch.Tensor:
+        """The groups' (rows, width, ...) grids back to packed (N, ...) states."""
+        return torch.cat([grid.flatten(0, 1) for grid in grids]).index_select(0, self.index)
+
 
 @dataclass
 class AttentionContext:
@@ -133,6 +193,8 @@ class AttentionContext:
     # the blocks' fused kernels (`hf_knowgpt.kernels.fused_layers`) run this call: each block then drops out
     # the attention branch inside its residual + LayerNorm kernel, so the attention layer returns it undropped
     fused_layers: bool = False
+    # packed self-attention group by group of rows of similar length (`KnowGPTModel.attention_by_length`)
+    by_length: bool = False
 
     def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
         """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
@@ -318,6 +380,11 @@ class KnowGPTSelfAttention(nn.Module):
         self.value = nn.Linear(config.n_embd, config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = KnowGPTDropout(config.resid_pdrop)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def dropout_p(self) -> float:
+        return self.config.attn_pdrop if self.training else 0.0
 
     def _project(self, hidden_states, grid: TokenGrid, in_grid: bool):
         """Queries, keys and values per token and head: (…, H, D), in the (B, T) grid when `in_grid`,
@@ -328,28 +395,51 @@ class KnowGPTSelfAttention(nn.Module):
     def _packed_kernel_applies(self, grid: TokenGrid, context: AttentionContext, cache) -> bool:
         return reads_packed_tokens(grid, context, cache, by_position=self.rotary)
 
+    @staticmethod
+    def _by_length(grid: TokenGrid, context: AttentionContext, cache) -> bool:
+        """Packed causal training whose rows `TokenGrid.length_groups` splits, positions being row indices
+        (each group's rows start at position 0), by an implementation that returns no weights."""
+        return (
+            context.by_length
+            and cache is None
+            and context.causal_only
+            and context.positions_are_indices
+            and context.implementation != "eager"
+            and grid.length_groups is not None
+        )
+
     def forward(self, hidden_states, grid: TokenGrid, context: AttentionContext, cache: Cache | None):
         """(output, attention weights (B, H, T, past + T) or None when the implementation has none)."""
         packed_kernel = self._packed_kernel_applies(grid, context, cache)
+        if not packed_kernel and self._by_length(grid, context, cache):
+            return branch_output(self, self._attend_by_length(hidden_states, grid, context), context), None
         query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        dropout_p = self.config.attn_pdrop if self.training else 0.0
         if packed_kernel and supports_fused_attention(query, key, value, None, True, seq_len=grid.seq_len):
             rotary = None
             if self.rotary:  # the kernel rotates queries and keys itself, by their index in the row
                 indices = torch.arange(grid.seq_len, device=query.device)
                 rotary = rotary_angles(indices, self.head_dim, self.config.rope_theta)
             attended = fused_causal_attention(
-                query, key, value, scale, dropout_p,
+                query, key, value, self.scale, self.dropout_p,
                 lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, rotary=rotary,
             )  # fmt: skip
             return branch_output(self, attended.flatten(-2), context), None
         if packed_kernel:  # the kernel does not take these tensors after all: through the grid as usual
             query, key, value = (grid.to_grid(states) for states in (query, key, value))
         if self.rotary:
-            cos, sin = rotary_angles(context.query_positions, self.head_dim, self.config.rope_theta)
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B or 1, T, 1, D/2): the heads axis
-            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            query, key = self._rotate(query, key, context.query_positions)
+        attended, weights = self._attend(query, key, value, grid, context, cache)
+        return branch_output(self, attended, context), weights
+
+    def _rotate(self, query, key, positions):
+        """Rope: queries and keys (…, T, H, D) rotated by their positions (…, T)."""
+        cos, sin = rotary_angles(positions, self.head_dim, self.config.rope_theta)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (…, T, 1, D/2): the heads axis
+        return apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+
+    def _attend(self, query, key, value, grid: TokenGrid, context: AttentionContext, cache):
+        """Attention over grid-shaped (B, T, H, D) queries, keys and values, rotated where rope rotates:
+        the packed (or grid) outputs merged over heads, and the weights where the implementation keeps them."""
         query, key, value = (states.transpose(1, 2) for states in (query, key, value))  # (B, H, T, D)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
@@ -359,12 +449,27 @@ class KnowGPTSelfAttention(nn.Module):
             key,
             value,
             mask,
-            scale=scale,
-            dropout_p=dropout_p,
+            scale=self.scale,
+            dropout_p=self.dropout_p,
             is_causal=context.causal_only,
             lengths=grid.row_lengths,
         )
-        return branch_output(self, grid.from_grid(merge_heads(attended)), context), weights
+        return grid.from_grid(merge_heads(attended)), weights
+
+    def _attend_by_length(self, hidden_states, grid: TokenGrid, context: AttentionContext):
+        """Packed causal attention group by group of rows (`TokenGrid.length_groups`); the outputs packed.
+        Rope rotates the whole buffer at once, by each position's index in its row: per group, the rotation's
+        dozen small operations cost more than the narrower grids save."""
+        groups = grid.length_groups
+        projected = project(hidden_states, (self.query, self.key, self.value), groups.to_buffer)
+        query, key, value = (states.unflatten(-1, (self.n_head, self.head_dim)) for states in projected)
+        if self.rotary:
+            query, key = self._rotate(query, key, groups.positions)
+        attended = []
+        for grid_query, grid_key, grid_value in zip(*(groups.grids(states) for states in (query, key, value))):
+            dense = TokenGrid(*grid_query.shape[:2])
+            attended.append(self._attend(grid_query, grid_key, grid_value, dense, context, None)[0])
+        return groups.from_grids(attended)
 
 
 class KnowGPTSynthesizerAttention(nn.Module):

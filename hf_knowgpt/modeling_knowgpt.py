@@ -257,9 +257,15 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
     `fused_layers` (off unless set; the trainer sets it for uncompiled training on a GPU with Triton): in
     training, each block computes its attention branch's dropout, the residual sum and ln2 in one Triton
     kernel (`hf_knowgpt.kernels.fused_layers`).
+
+    `attention_by_length` (off unless set; the trainer sets it for training on a CPU, whose packed batches it
+    orders longest first): packed causal self-attention runs group by group of rows, each group only as
+    wide as its longest row (`TokenGrid.length_groups`). It reads the rows' lengths on the host, which a
+    captured CUDA graph must never do.
     """
 
     fused_layers = False
+    attention_by_length = False
 
     def __init__(self, config: KnowGPTConfig):
         super().__init__(config)
@@ -348,6 +354,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         context = self._attention_context(batch_size, seq_len, past_length, attention_mask, position_ids)
         context.implementation = implementation
         context.fused_layers = self.fused_layers and self.training
+        context.by_length = self.attention_by_length
         grid = TokenGrid(batch_size, seq_len, token_index)
         if inputs_embeds is None:
             inputs_embeds = self.tok_emb(grid.from_grid(input_ids))

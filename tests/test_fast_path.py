@@ -2,6 +2,8 @@
 
 import copy
 import os
+import sys
+import threading
 
 import pytest
 import torch
@@ -199,8 +201,10 @@ def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path
         assert graphed.optimizer.param_groups[0]["lr"].item() == pytest.approx(3e-3 * eager.lr_multipliers[step])
     if not packed:
         data.device_batch = original_device_batch
+    # On a CPU the eager step orders rows longest first (attention group by group), the body keeps batch
+    # order: the same sums in another order, which AdamW's normalization magnifies where gradients are near 0
     for (name, a), (_, b) in zip(eager_model.named_parameters(), graphed_model.named_parameters()):
-        assert torch.allclose(a, b, atol=1e-5), name
+        assert torch.allclose(a, b, atol=5e-5), name
 
 
 def _graphed_bodies_in_one_of_two_processes(rank, directory, steps):
@@ -426,3 +430,18 @@ def test_triton_is_pointed_at_torchs_ptxas_unless_the_user_chose_one(tmp_path, m
     ptxas.unlink()  # a torch without its own ptxas: Triton keeps its own
     pin_triton_ptxas()
     assert "TRITON_PTXAS_PATH" not in os.environ
+
+
+def test_compile_workers_are_released_on_a_thread_once_training_ends(monkeypatch):
+    import types
+
+    from hf_knowgpt.kernels import release_compile_workers
+
+    monkeypatch.delitem(sys.modules, "torch._inductor.async_compile", raising=False)
+    assert release_compile_workers() is None  # inductor never ran: nothing to release
+    calls = []
+    fake = types.SimpleNamespace(shutdown_compile_workers=lambda: calls.append(threading.current_thread().name))
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    thread = release_compile_workers()
+    thread.join(timeout=10)
+    assert not thread.daemon and calls == ["release-compile-workers"]

@@ -5,6 +5,7 @@ from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast, attention_knowgpt
+from hf_knowgpt.attention_knowgpt import TokenGrid
 
 VOCAB = 23
 
@@ -115,18 +116,21 @@ def test_padded_batch_logits_equal_unpadded_logits(attention_type, side):
 
 
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
-def test_packed_training_equals_dense_in_loss_and_gradients(attention_type):
-    lengths = [12, 7, 3]
+@pytest.mark.parametrize("lengths", [[12, 7, 3], [7, 12, 3]], ids=["longest-first", "unordered"])
+def test_packed_training_equals_dense_in_loss_and_gradients(attention_type, lengths):
     ids = random_ids(3, 12)
     labels = ids.clone()
     for row, length in enumerate(lengths):
         ids[row, length:] = 0
         labels[row, length - 1 :] = -100  # the last real token predicts padding: not trained
     token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate(lengths)])
+    # rows longest first attend group by group of rows on a CPU; in another order, in one grid
+    assert (TokenGrid(3, 12, token_index).length_groups is not None) == (lengths == sorted(lengths, reverse=True))
 
     results = []
     for packed in (False, True):
         model = make_model(attention_type)
+        model.transformer.attention_by_length = True  # as the trainer sets it on a CPU
         out = model(ids, labels=labels, token_index=token_index if packed else None, use_cache=False)
         out.loss.backward()
         grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -139,6 +143,21 @@ def test_packed_training_equals_dense_in_loss_and_gradients(attention_type):
     assert dense_grads.keys() == packed_grads.keys()
     for name in dense_grads:
         assert torch.allclose(dense_grads[name], packed_grads[name], atol=1e-6), name
+
+
+def test_packed_rows_longest_first_attend_group_by_group_on_a_cpu():
+    lengths = torch.tensor([12, 11, 7, 6, 3, 0])
+    token_index = torch.cat([row * 12 + torch.arange(int(n)) for row, n in enumerate(lengths)])
+    groups = TokenGrid(len(lengths), 12, token_index).length_groups
+    assert groups.shapes == [(2, 12), (2, 7), (1, 3)]  # the row without tokens is left out
+    states = torch.arange(len(token_index) * 2).view(-1, 2)
+    grids = groups.grids(groups.to_buffer(states))
+    assert [tuple(grid.shape) for grid in grids] == [(2, 12, 2), (2, 7, 2), (1, 3, 2)]
+    assert torch.equal(grids[1][1, :6], states[12 + 11 + 7 : 12 + 11 + 7 + 6])  # the fourth row, in the second group
+    assert (grids[1][1, 6:] == 0).all()  # its padding
+    assert torch.equal(groups.from_grids(grids), states)
+    assert TokenGrid(3, 12, torch.cat([torch.arange(7), 12 + torch.arange(12)])).length_groups is None  # unordered
+    assert TokenGrid(4, 10, torch.arange(4 * 10)).length_groups is None  # rows as long as the grid: nothing to save
 
 
 def test_packed_training_rejects_cache_and_mask():

@@ -13,7 +13,10 @@ process, medians printed last:
 5. the same steps with rope's rotation as the model does it eagerly (one complex product) against the
    real arithmetic (four products, two sums and a stack, what it compiles to), alternating the same way;
 6. the same steps through `torch.compile` (inductor's C++ kernels) against eager, alternating the same way,
-   after the first compiled step, whose time (the compilation) is printed too.
+   after the first compiled step, whose time (the compilation) is printed too;
+7. packed steps under bf16 autocast, 16 rows of the lengths of a quickstart batch (longest first, as the
+   trainer orders them), attention in one grid against group by group of rows (`attention_by_length`) in
+   2 to 5 groups (`LENGTH_GROUPS`), alternating the same way.
 """
 
 import argparse
@@ -115,6 +118,29 @@ def main():
             compile_times[name].append(milliseconds(lambda forward=forward: step(forward=forward), 15, 1))
     for name, times in compile_times.items():
         rows.append((f"training step, {name}", statistics.median(times)))
+
+    # lengths of a quickstart batch: 89 tokens on average, the longest 125 (its first 60 batches: median 81)
+    lengths = torch.tensor([125, 119, 113, 109, 104, 96, 88, 82, 80, 76, 72, 70, 69, 67, 67, 66])
+    token_index = torch.cat([row * 125 + torch.arange(int(n)) for row, n in enumerate(lengths)])
+    packed_ids = torch.randint(0, 100, (16, 125))
+
+    def packed_step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=packed_ids, labels=packed_ids, token_index=token_index, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    arms = {"in one grid": None, **{f"in {groups} groups of rows": groups for groups in (2, 3, 4, 5)}}
+    grouping_times, default_groups = {name: [] for name in arms}, attention_knowgpt.LENGTH_GROUPS
+    for _ in range(args.rounds):
+        for name, groups in arms.items():
+            model.transformer.attention_by_length = groups is not None
+            attention_knowgpt.LENGTH_GROUPS = groups or default_groups
+            grouping_times[name].append(milliseconds(packed_step, 15, 1))
+    model.transformer.attention_by_length, attention_knowgpt.LENGTH_GROUPS = False, default_groups
+    for name, times in grouping_times.items():
+        rows.append((f"packed bf16 training step, attention {name}", statistics.median(times)))
 
     print(f"\n{'CPU, ' + str(torch.get_num_threads()) + ' threads':<64}{'ms (median)':>12}")
     for name, value in rows:

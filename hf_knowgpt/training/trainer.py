@@ -406,6 +406,8 @@ class KnowGPTTrainer:
             # products) take an x86 CPU many times longer per operation; flushed to zero, they cost nothing (a
             # from-scratch quickstart finetuning: 26 s instead of 32 s, the same loss to four digits).
             torch.set_flush_denormal(True)
+            # packed rows come longest first (optimizer_step) and attend group by group of similar length
+            unwrapped.transformer.attention_by_length = path == "eager"
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
         elif device.type == "cuda":
@@ -484,6 +486,7 @@ class KnowGPTTrainer:
         seconds = time.perf_counter() - started
         unwrapped.config._attn_implementation = attn_implementation
         unwrapped.transformer.fused_layers = False
+        unwrapped.transformer.attention_by_length = False
         if args.report_to:  # not end_training(): it also ends the process group, which a next stage needs
             for tracker in accelerator.trackers:
                 tracker.finish()
@@ -517,13 +520,16 @@ class KnowGPTTrainer:
         multiple = args.pack_multiple
         if multiple is None:
             multiple = 64 if input_ids.device.type == "cpu" and accelerator.mixed_precision == "bf16" else 1
+        on_cpu = input_ids.device.type == "cpu"
         groups = args.length_groups
         if groups is None:  # on CPU, groups of 32 rows or more (up to 4): smaller ones cost more than they save
-            groups = min(4, max(1, input_ids.shape[0] // 32)) if input_ids.device.type == "cpu" else 1
-        if not packed or groups == 1:
+            groups = min(4, max(1, input_ids.shape[0] // 32)) if on_cpu else 1
+        if not packed or (groups == 1 and not on_cpu):
             row_groups = [None]
-        else:  # host lengths: sorting costs no device synchronization
-            row_groups = [g for g in torch.tensor_split(lengths.argsort(descending=True), groups) if len(g)]
+        else:  # host lengths: sorting costs no device synchronization. Longest first on a CPU also lets each
+            # forward pass attend group by group of rows (TokenGrid.length_groups).
+            order = lengths.argsort(descending=True, stable=True)
+            row_groups = [g for g in torch.tensor_split(order, groups) if len(g)]
         loss = None
         for number, rows in enumerate(row_groups):
             group_ids, group_labels, group_lengths = input_ids, labels, lengths

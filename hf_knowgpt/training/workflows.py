@@ -448,6 +448,10 @@ def run_recipe(
             stage_config, files, model=model, tokenizer=tokenizer, accelerator=accelerator, hub=hub, command=command
         )
         summary["stages"][stage] = {k: v for k, v in metrics.items() if k != "loss_curve"}
+    if any(getattr(config, stage).compile for stage in config.stages):
+        from ..kernels import release_compile_workers
+
+        release_compile_workers()  # nothing more is compiled: the pool's shutdown overlaps evaluation
     answerer = Path(getattr(config, config.stages[-1]).output_dir)
     if accelerator.is_main_process:
         model.to(accelerator.device)
