@@ -70,8 +70,8 @@ class KnowGPTDropout(nn.Dropout):
 
 
 # Groups of rows for attention on a CPU (TokenGrid.length_groups). A packed quickstart step under bf16 (16 rows of
-# a batch's lengths) took 41.3 ms in 4 groups, 43.2 in 3, 47.8 in 2, 42.2 in 5 and 49.4 ms in one grid
-# (medians of 10 alternating rounds, the project's CPU; benchmarks/RESULTS.md).
+# a batch's lengths) took 33.8 ms in 4 groups, 34.5 in 3, 35.0 in 2, 35.4 in 5 and 37.1 ms in one grid
+# (benchmarks/diagnostics/cpu_step_costs.py, the project's CPU; benchmarks/RESULTS.md).
 LENGTH_GROUPS = 4
 
 

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""Variants of the training step's kernels, each as the whole `scripts/train.py` command (one process per
+run), variants alternating within each seed so that the machine's drift hits all; a table of dev accuracy,
+compilation and capture, pretraining steps and the whole process printed last.
+
+    python benchmarks/diagnostics/step_variants.py --variants splits3,splits1 --seeds 0,1,2 --output OUT.json -- \\
+        --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile
+
+Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `--output_dir`, the variant set
+before the command starts (`--run_one`). Each variant has its own TorchInductor and Triton caches, empty
+before its first run: a variant's first seed runs cold, the others warm.
+
+Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or
+1 (`fused_attention.DEFAULT_SPLITS`); inductor options added to the graphed step's
+(`GraphedStepper.INDUCTOR_OPTIONS`).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = {
+    "as-is": {},
+    "splits3": {"splits": 3},
+    "splits1": {"splits": 1},
+    "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
+    "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
+    "no-combo-kernels": {"inductor": {"combo_kernels": False}},
+}
+
+
+def run_one(variant: str, train_args: list[str]) -> None:
+    from hf_knowgpt.commands import cli, train
+    from hf_knowgpt.kernels import fused_attention
+    from hf_knowgpt.training.fast_path import GraphedStepper
+
+    settings = VARIANTS[variant]
+    fused_attention.DEFAULT_SPLITS = settings.get("splits", fused_attention.DEFAULT_SPLITS)
+    GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
+    sys.argv = ["train.py", *train_args]
+    cli.run_script(train.main)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="splits3,splits1", help=f"from {', '.join(VARIANTS)}, in order")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--output", default=None, help="write the runs as JSON here")
+    parser.add_argument("--run_one", choices=list(VARIANTS), default=None, help=argparse.SUPPRESS)
+    args, train_args = parser.parse_known_args()
+    train_args = [a for a in train_args if a != "--"]
+    if args.run_one is not None:
+        return run_one(args.run_one, train_args)
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"unknown --variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    work = Path(tempfile.mkdtemp(prefix="knowgpt-step-variants-"))
+    runs = []
+    for seed in args.seeds.split(","):
+        for variant in variants:
+            output_dir = work / f"{variant}-seed{seed}"
+            caches = {
+                name: str(work / f"{variant}-caches" / name)
+                for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+            }
+            command = [sys.executable, __file__, "--run_one", variant, *train_args, "--seed", seed]
+            command += ["--output_dir", str(output_dir)]
+            started = time.perf_counter()
+            subprocess.run(command, check=True, env={**os.environ, **caches})
+            seconds = time.perf_counter() - started
+            summary = json.loads((output_dir / "results.json").read_text())
+            pretrain = summary["stages"]["pretrain"]
+            runs.append(
+                {
+                    "variant": variant,
+                    "seed": int(seed),
+                    "process_s": seconds,
+                    "pretrain_capture_s": pretrain["warmup_seconds"],
+                    "pretrain_steps_s": pretrain["train_seconds"] - pretrain["warmup_seconds"],
+                    "final_loss": pretrain["final_loss"],
+                    "dev_accuracy": summary["dev"]["accuracy"],
+                }
+            )
+            print(json.dumps(runs[-1]), flush=True)
+    if args.output:
+        Path(args.output).write_text(json.dumps(runs, indent=2))
+    print(
+        f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'steps s':>9}{'process s':>11}"
+    )
+    for run in runs:
+        print(
+            f"{run['variant']:<20}{run['seed']:>6}{100 * run['dev_accuracy']:>8.1f}{run['final_loss']:>12.3f}"
+            f"{run['pretrain_capture_s']:>11.1f}{run['pretrain_steps_s']:>9.1f}{run['process_s']:>11.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
