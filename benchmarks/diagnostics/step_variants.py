@@ -12,12 +12,17 @@ before its first run: a variant's first seed runs cold, the others warm.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or
 1 (`fused_attention.DEFAULT_SPLITS`); inductor options added to the graphed step's
-(`GraphedStepper.INDUCTOR_OPTIONS`).
+(`GraphedStepper.INDUCTOR_OPTIONS`); CPU training without keeping freed memory for reuse
+(`fast_path.reuse_freed_memory`). On a CPU, for instance:
+
+    python benchmarks/diagnostics/step_variants.py --variants as-is,no-memory-reuse --seeds 0,0,0 -- \\
+        --recipe quickstart --pretrain_max_epochs 10 --no_do_finetune --mixed_precision bf16
 """
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -31,17 +36,21 @@ VARIANTS = {
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
+    "no-memory-reuse": {"memory_reuse": False},
 }
 
 
 def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.kernels import fused_attention
+    from hf_knowgpt.training import trainer
     from hf_knowgpt.training.fast_path import GraphedStepper
 
     settings = VARIANTS[variant]
     fused_attention.DEFAULT_SPLITS = settings.get("splits", fused_attention.DEFAULT_SPLITS)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
+    if not settings.get("memory_reuse", True):
+        trainer.reuse_freed_memory = lambda: None
     sys.argv = ["train.py", *train_args]
     cli.run_script(train.main)
 
@@ -63,16 +72,17 @@ def main():
     runs = []
     for seed in args.seeds.split(","):
         for variant in variants:
-            output_dir = work / f"{variant}-seed{seed}"
+            output_dir = work / f"{variant}-seed{seed}-run{len(runs)}"
             caches = {
                 name: str(work / f"{variant}-caches" / name)
                 for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
             }
             command = [sys.executable, __file__, "--run_one", variant, *train_args, "--seed", seed]
             command += ["--output_dir", str(output_dir)]
-            started = time.perf_counter()
+            started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
             subprocess.run(command, check=True, env={**os.environ, **caches})
             seconds = time.perf_counter() - started
+            faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
             summary = json.loads((output_dir / "results.json").read_text())
             pretrain = summary["stages"]["pretrain"]
             runs.append(
@@ -82,6 +92,7 @@ def main():
                     "process_s": seconds,
                     "pretrain_capture_s": pretrain["warmup_seconds"],
                     "pretrain_steps_s": pretrain["train_seconds"] - pretrain["warmup_seconds"],
+                    "page_faults": faults,
                     "final_loss": pretrain["final_loss"],
                     "dev_accuracy": summary["dev"]["accuracy"],
                 }
@@ -90,12 +101,14 @@ def main():
     if args.output:
         Path(args.output).write_text(json.dumps(runs, indent=2))
     print(
-        f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'steps s':>9}{'process s':>11}"
+        f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'steps s':>9}"
+        f"{'process s':>11}{'page faults':>13}"
     )
     for run in runs:
         print(
             f"{run['variant']:<20}{run['seed']:>6}{100 * run['dev_accuracy']:>8.1f}{run['final_loss']:>12.3f}"
             f"{run['pretrain_capture_s']:>11.1f}{run['pretrain_steps_s']:>9.1f}{run['process_s']:>11.1f}"
+            f"{run['page_faults']:>13,}"
         )
 
 

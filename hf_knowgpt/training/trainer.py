@@ -46,7 +46,7 @@ from ..utils.checkpoints import (
 from ..utils.errors import InputError
 from .arguments import TrainingArguments
 from .data import TrainingBatch, packed_token_index
-from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path
+from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path, reuse_freed_memory
 from .optimization import handout_lr_multipliers, handout_parameter_groups, rows_per_step
 from .progress import progress_bar
 
@@ -406,6 +406,7 @@ class KnowGPTTrainer:
             # products) take an x86 CPU many times longer per operation; flushed to zero, they cost nothing (a
             # from-scratch quickstart finetuning: 26 s instead of 32 s, the same loss to four digits).
             torch.set_flush_denormal(True)
+            reuse_freed_memory()  # no fresh, zeroed pages for each step's activations
             # packed rows come longest first (optimizer_step) and attend group by group of similar length
             unwrapped.transformer.attention_by_length = path == "eager"
         if path == "plain":
