@@ -34,8 +34,8 @@ def reuse_freed_memory() -> int | None:
     top to the system; a step's activations (megabytes each, their sizes changing with every batch's token
     count) then fault in and zero new pages at every step: 0.88–1.13 M page faults in 10 quickstart epochs
     against 0.12 M with both thresholds raised, and 5–11% more time, the same losses (benchmarks/RESULTS.md).
-    The process keeps its peak memory instead (the quick start's: 0.6 GB either way). Returns the size from which blocks still get their own mmap(), None where glibc took no setting
-    (elsewhere nothing changes)."""
+    The process keeps its peak memory instead (the quick start's: 0.6 GB either way). Returns the size from
+    which blocks still get their own mmap(), or None where glibc took no setting (elsewhere nothing changes)."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):

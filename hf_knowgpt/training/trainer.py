@@ -518,10 +518,10 @@ class KnowGPTTrainer:
             rows = torch.tensor_split(torch.arange(input_ids.shape[0]), world)[rank]
             device_rows = rows.to(input_ids.device)
             input_ids, labels, lengths = input_ids[device_rows], labels[device_rows], lengths[rows]
+        on_cpu = input_ids.device.type == "cpu"
         multiple = args.pack_multiple
         if multiple is None:
-            multiple = 64 if input_ids.device.type == "cpu" and accelerator.mixed_precision == "bf16" else 1
-        on_cpu = input_ids.device.type == "cpu"
+            multiple = 64 if on_cpu and accelerator.mixed_precision == "bf16" else 1
         groups = args.length_groups
         if groups is None:  # on CPU, groups of 32 rows or more (up to 4): smaller ones cost more than they save
             groups = min(4, max(1, input_ids.shape[0] // 32)) if on_cpu else 1
