@@ -156,8 +156,11 @@ class LengthGroups:
         self.index = index
         self.shapes = shapes
         self.sizes = [rows * width for rows, width in shapes]
-        # each buffer position's index in its row
-        self.positions = torch.cat([torch.arange(width).repeat(rows) for rows, width in shapes])
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """Each buffer position's index in its row (what rope rotates by), built only when asked."""
+        return torch.cat([torch.arange(width).repeat(rows) for rows, width in self.shapes])
 
     def to_buffer(self, states: torch.Tensor) -> torch.Tensor:
         """Packed (N, ...) states into the buffer (Σ rows·width, ...), zeros at the padding."""

@@ -56,13 +56,17 @@ def stop():
         ]
         busy = sum(e.device_time for e in kernels) / 1e3
         print(f"device kernels per step: {len(kernels) / steps:.0f}, their time per step: {busy / steps:.3f} ms")
-        shares, others = {}, {}
+        shares, others = {}, {}  # kind / name of an "other" kernel -> (count, milliseconds)
+
+        def add(table, key, milliseconds):
+            count, total = table.get(key, (0, 0.0))
+            table[key] = (count + 1, total + milliseconds)
+
         for kernel in kernels:
             kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel.name, re.I)), "other")
-            for table, key in ((shares, kind), (others, kernel.name)):
-                if table is shares or kind == "other":
-                    count, milliseconds = table.get(key, (0, 0.0))
-                    table[key] = (count + 1, milliseconds + kernel.device_time / 1e3)
+            add(shares, kind, kernel.device_time / 1e3)
+            if kind == "other":
+                add(others, kernel.name, kernel.device_time / 1e3)
         for kind, (count, milliseconds) in sorted(shares.items(), key=lambda item: -item[1][1]):
             print(
                 f"  {kind:<52}{count / steps:>6.0f} kernels{milliseconds / steps:>9.3f} ms{milliseconds / busy:>7.0%}"
