@@ -273,6 +273,54 @@ def test_training_path_selection():
         resolve_training_path("turbo", cpu)
 
 
+@pytest.mark.parametrize("kind", ["pretraining", "augmented"])
+def test_the_compiled_step_builds_the_same_batches(pretraining_data, tmp_path, kind):
+    """Compiled, the packed step builds its batch (span corruption, variants, plain-text exposures) through
+    torch.compile: token for token the uncompiled batch, from one graph for every step."""
+    tokenizer, pretraining = pretraining_data
+    data = pretraining if kind == "pretraining" else augmented_mixed_data(tokenizer)
+    trainer = make_trainer(tmp_path, data, fresh_model(len(tokenizer)), graphed=True)
+    stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
+    torch._dynamo.reset()
+    counters.clear()
+    for step in range(trainer.steps_per_epoch + 1):  # the last batch of an epoch is smaller: padded, not valid
+        stepper._prepare_packed(step)
+        arguments = (stepper.indices, stepper.valid, stepper.seq_len)
+        compiled = stepper.compiled_device_batch(*arguments, uniforms=stepper.uniforms)
+        eager = data.device_batch(*arguments, uniforms=stepper.uniforms)
+        for built, expected in zip(compiled, eager):
+            assert torch.equal(built, expected), step
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+
+
+def test_the_compiled_step_clips_and_sets_the_rate_as_the_uncompiled_one(pretraining_data, tmp_path):
+    """Compiled, the step's gradient clipping and learning rate run through torch.compile: the same gradients
+    and rate as the uncompiled function, at every step of the schedule."""
+    tokenizer, data = pretraining_data
+    trainer = make_trainer(tmp_path, data, fresh_model(len(tokenizer)), graphed=True)
+    stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
+    torch._dynamo.reset()
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    for step in (0, 3, trainer.steps_per_epoch * 2 + 5):  # the last one is past the schedule's end
+        gradients = [torch.randn(p.shape, generator=generator) * 10 for p in stepper.parameters]
+        results = []
+        for clip_and_rate in (stepper._clip_and_rate, stepper.compiled_clip_and_rate):
+            for parameter, gradient in zip(stepper.parameters, gradients):
+                parameter.grad = gradient.clone()
+            stepper.step_counter.fill_(step)
+            stepper.learning_rate.fill_(-1.0)
+            clip_and_rate()
+            results.append(([p.grad.clone() for p in stepper.parameters], stepper.learning_rate.item()))
+        (plain_gradients, plain_rate), (compiled_gradients, compiled_rate) = results
+        last = len(trainer.lr_multipliers) - 1
+        assert compiled_rate == plain_rate == pytest.approx(3e-3 * trainer.lr_multipliers[min(step, last)])
+        assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in plain_gradients])) == pytest.approx(1.0)
+        for plain, compiled in zip(plain_gradients, compiled_gradients):
+            torch.testing.assert_close(compiled, plain, rtol=1e-5, atol=1e-7)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("packed", [True, False])
 def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tmp_path, packed):
@@ -340,7 +388,7 @@ def test_compiled_bf16_steps_follow_the_uncompiled_ones(pretraining_data, tmp_pa
     assert len(capacities) > 1
     assert counters["aot_autograd"]["total"] == counters["stats"]["unique_graphs"], dict(counters)
     if attention_type != "perceiver":  # the perceiver's step breaks into several graphs (data-dependent branches)
-        assert counters["stats"]["unique_graphs"] == 1, dict(counters)
+        assert counters["stats"]["unique_graphs"] == 3, dict(counters)  # the batch's, the model's, the clipping's
     assert losses[False][-1] < losses[False][0]  # it trains
 
 

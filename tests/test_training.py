@@ -612,17 +612,21 @@ def test_a_plain_progress_log_prints_the_last_line_once(capsys):
 
 
 def test_the_quickstart_recipe_recites_and_its_comparison_trains_without_pretraining(corpus, tmp_path):
-    """The README's main job, one epoch each: the quickstart recipe mixes questions (with recitations) into
-    pretraining and answers from its pretrained checkpoint; without pretraining it trains on the questions
-    alone, from scratch."""
+    """The README's main job (`scripts/quickstart.py`, one process), one epoch each: the quickstart recipe mixes
+    questions (with recitations) into pretraining and answers from its pretrained checkpoint; without
+    pretraining it trains on the questions alone, from scratch; then the pipeline answers dev questions."""
     files = ("--pretrain_corpus_path", corpus.corpus, "--train_corpus_path", corpus.train, "--eval_corpus_path",
              corpus.dev)  # fmt: skip
-    mixed = run_script(SCRIPTS / "train.py", "--recipe", "quickstart", *files, "--pretrain_max_epochs", 1,
-                       "--output_dir", tmp_path / "mixed")  # fmt: skip
-    assert "answers after reciting up to 96 characters" in mixed.stdout and "Correct: " in mixed.stdout
-    assert (tmp_path / "mixed" / "pretrained").is_dir() and not (tmp_path / "mixed" / "finetuned").exists()
-    scratch = run_script(SCRIPTS / "train.py", "--recipe", "quickstart", "--no_do_pretrain", *files,
-                         "--finetune_max_epochs", 1, "--output_dir", tmp_path / "scratch")  # fmt: skip
-    assert "Correct: " in scratch.stdout and not (tmp_path / "scratch" / "pretrained").exists()
-    config = json.loads((tmp_path / "scratch" / "finetuned" / "config.json").read_text())
+    out = tmp_path / "quickstart"
+    result = run_script(SCRIPTS / "quickstart.py", *files, "--pretrain_max_epochs", 1, "--finetune_max_epochs", 1,
+                        "--output_dir", out)  # fmt: skip
+    mixed, rest = result.stdout.split("== without pretraining")
+    scratch, asked = rest.split('== asking the pretrained model through pipeline("birthplace-qa")')
+    assert "answers after reciting up to 96 characters" in mixed and "Correct: " in mixed
+    assert (out / "pretrained").is_dir() and not (out / "finetuned").exists()
+    assert "Correct: " in scratch and not (tmp_path / "quickstart-scratch" / "pretrained").exists()
+    config = json.loads((tmp_path / "quickstart-scratch" / "finetuned" / "config.json").read_text())
     assert config["recitation_length"] == 96 and config["attention_type"] == "rope"
+    dev_questions = [line.split("\t")[0] for line in Path(corpus.dev).read_text().splitlines()[:5]]
+    answers = [line for line in asked.splitlines() if "→" in line]
+    assert [line.split(" → ")[0] for line in answers] == dev_questions

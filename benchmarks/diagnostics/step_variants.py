@@ -12,7 +12,9 @@ before its first run: a variant's first seed runs cold, the others warm.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or
 1 (`fused_attention.DEFAULT_SPLITS`); inductor options added to the graphed step's
-(`GraphedStepper.INDUCTOR_OPTIONS`); CPU training without keeping freed memory for reuse
+(`GraphedStepper.INDUCTOR_OPTIONS`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+`GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
+(`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
 
     python benchmarks/diagnostics/step_variants.py --variants as-is,no-memory-reuse --seeds 0,0,0 -- \\
@@ -37,6 +39,9 @@ VARIANTS = {
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
     "no-memory-reuse": {"memory_reuse": False},
+    "eager-batch": {"uncompiled": ("compiled_device_batch",)},
+    "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
+    "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
 }
 
 
@@ -51,6 +56,15 @@ def run_one(variant: str, train_args: list[str]) -> None:
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
+    if settings.get("uncompiled"):
+        original_init = GraphedStepper.__init__
+
+        def init_with_uncompiled_parts(self, *args, **kwargs):
+            original_init(self, *args, **kwargs)
+            for part in settings["uncompiled"]:
+                setattr(self, part, None)
+
+        GraphedStepper.__init__ = init_with_uncompiled_parts
     sys.argv = ["train.py", *train_args]
     cli.run_script(train.main)
 

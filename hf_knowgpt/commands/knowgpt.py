@@ -11,6 +11,7 @@ COMMANDS = {
     "finetune": "finetune to answer birthplace questions",
     "evaluate": "answer a file of questions with a checkpoint and score the answers",
     "ask": "ask a checkpoint where people were born",
+    "quickstart": "the main job on the synthetic corpus: train, the comparison without pretraining, ask",
     "analyze_knowledge": "a checkpoint's knowledge report: calibration, selective accuracy, made-up people",
     "london_baseline": "the handouts' London baseline",
     "run": "the handouts' command line (run.py pretrain|finetune|evaluate ...)",

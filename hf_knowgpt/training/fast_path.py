@@ -190,7 +190,18 @@ class GraphedStepper:
         self.model = (
             torch.compile(model, dynamic=None if self.packed else False, options=options) if compile_model else model
         )
+        # Packed, the step's batch (span corruption from the host's uniforms) has the same shapes at every step;
+        # compiled, its ~50 small index and comparison kernels become a few fused ones.
+        self.compiled_device_batch = (
+            torch.compile(trainer.data.device_batch, dynamic=False, options=options)
+            if compile_model and self.packed
+            else None
+        )
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        # Likewise the clipping (a norm per parameter, their norm, a scale per parameter) and the step's rate.
+        self.compiled_clip_and_rate = (
+            torch.compile(self._clip_and_rate, dynamic=False, options=options) if compile_model else None
+        )
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
         self.learning_rates = torch.tensor(
@@ -230,11 +241,12 @@ class GraphedStepper:
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
     def _body(self, capacity=None):
-        trainer, args = self.trainer, self.trainer.args
+        trainer = self.trainer
         step = self.step_counter
         if self.packed:
             indices, valid, token_index = self.indices, self.valid, self.token_indices[capacity]
-            input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len, uniforms=self.uniforms)
+            device_batch = self.compiled_device_batch or trainer.data.device_batch
+            input_ids, labels = device_batch(indices, valid, self.seq_len, uniforms=self.uniforms)
             trained_targets = self.trained_targets
         else:
             epoch, offset = step // self.steps_per_epoch, step % self.steps_per_epoch
@@ -264,15 +276,18 @@ class GraphedStepper:
         loss.backward()
         if self.world > 1:
             self._sum_gradients_over_processes()
-        if args.grad_norm_clip:
-            torch.nn.utils.clip_grad_norm_(self.parameters, args.grad_norm_clip, foreach=True)
-        self.learning_rate.copy_(
-            self.learning_rates.index_select(0, step.clamp(max=len(self.learning_rates) - 1).view(1))[0]
-        )
+        (self.compiled_clip_and_rate or self._clip_and_rate)()
         self.optimizer.step()
         # Each process's loss is its share of the batch's mean; the log averages over processes.
         self.loss_sum.add_(loss.detach(), alpha=self.world)
         self.step_counter.add_(1)
+
+    def _clip_and_rate(self):
+        """The gradients clipped to the recipe's norm, and this step's learning rate set from the step counter."""
+        if self.trainer.args.grad_norm_clip:
+            torch.nn.utils.clip_grad_norm_(self.parameters, self.trainer.args.grad_norm_clip, foreach=True)
+        step = self.step_counter.clamp(max=len(self.learning_rates) - 1)
+        self.learning_rate.copy_(self.learning_rates.index_select(0, step.view(1))[0])
 
     def _sum_gradients_over_processes(self):
         """One all-reduce for all gradients: flattened into one buffer and copied back (two kernels), where
