@@ -8,7 +8,8 @@ per process on a 2-core CPU):
     python scripts/train.py --recipe quickstart --no_do_pretrain --output_dir OUT-scratch --overwrite_output_dir
     python scripts/ask.py --model_name_or_path OUT/pretrained --from_file DEV --limit 5
 
-Flags it does not know go to both trainings (`--pretrain_max_epochs 2 --finetune_max_epochs 2`, say).
+Flags it does not know go to both trainings (`--mixed_precision bf16`, `--pretrain_max_epochs 2
+--finetune_max_epochs 2`, say).
 """
 
 import argparse
@@ -22,16 +23,13 @@ PIPELINE_QUESTIONS = 5
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", default="outputs/quickstart", help="the run's folder (replaced if it exists)")
-    parser.add_argument(
-        "--mixed_precision", choices=["no", "bf16"], default="no", help="bf16 autocast, or none (fp32)"
-    )
     parser.add_argument("--eval_corpus_path", default=None, help="dev questions (default: the synthetic dev set)")
     return parser.parse_known_args(argv)
 
 
 def main(argv=None):
     args, train_flags = parse_args(argv)
-    common = ["--recipe", "quickstart", "--mixed_precision", args.mixed_precision, "--overwrite_output_dir"]
+    common = ["--recipe", "quickstart", "--overwrite_output_dir"]
     if args.eval_corpus_path is not None:
         common += ["--eval_corpus_path", args.eval_corpus_path]
     common += train_flags
