@@ -238,7 +238,7 @@ def main(argv=None):
         f"pretraining epoch, {1000 * handout['question_s']:.0f} ms per question"
         + (f", {handout['correct']} of {handout['questions']} right)" if handout["whole_recipe_run"] else ")")
     )
-    runs = [key for key in results if key.split(" (")[0] in RUNS]
+    runs = keys  # as `results` names them: a repeated run as "<run> (2)"
     for run in runs:
         row = results[run]
         print(
