@@ -13,8 +13,11 @@ runs); SDPA in bf16 (flash: fast, but training diverges with it); unfused fp32. 
 keys, rotated first and attended by SDPA in fp32, against the fused kernel rotating them itself (and the
 kernel without rotation). `synthesizer`: keys by position shared by all rows and heads plus a bias per key,
 as SDPA in fp32 with the bias in its mask (what the synthesizer ran before) against the fused kernel. SDPA
-and the unfused kernel compute every position whatever the lengths. Each group's first kernel is its
-baseline, for the speed ratio and the differences.
+and the unfused kernel compute every position whatever the lengths. `dropout`: the default kernel taking
+four dropout uniforms from each Philox evaluation, one, or running without dropout. `correction`: the
+backward pass's softmax correction dOᵢ·Oᵢ computed by a kernel of its own or in every backward program.
+`launch`: warps, software-pipelining stages and (backward) block size of each kernel alone. Each group's
+first kernel is its baseline, for the speed ratio and the differences.
 """
 
 import argparse
@@ -41,16 +44,21 @@ from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
 
 @contextlib.contextmanager
-def launch_options(block_size=None, num_warps=None):
-    """Launch the fused kernels (forward and backward) with this block size and warp count for the duration."""
-    original = fused_attention.BLOCK_SIZE, fused_attention.NUM_WARPS
+def launch_options(block_size=None, num_warps=None, **constants):
+    """Launch the fused kernels (forward and backward) with this block size and warp count, and with the
+    kernel module's other constants given (`UNIFORMS_PER_DRAW=1`, `BACKWARD_NUM_STAGES=2`, ...), for the
+    duration."""
     if block_size is not None:
-        fused_attention.BLOCK_SIZE = block_size
-        fused_attention.NUM_WARPS = {**original[1], block_size: num_warps or original[1][block_size]}
+        warps = num_warps or fused_attention.NUM_WARPS[block_size]
+        constants |= {"BLOCK_SIZE": block_size, "NUM_WARPS": {**fused_attention.NUM_WARPS, block_size: warps}}
+    original = {name: getattr(fused_attention, name) for name in constants}
+    for name, value in constants.items():
+        setattr(fused_attention, name, value)
     try:
         yield
     finally:
-        fused_attention.BLOCK_SIZE, fused_attention.NUM_WARPS = original
+        for name, value in original.items():
+            setattr(fused_attention, name, value)
 
 
 def triton_kernel(splits, lengths=None, **options):
@@ -60,6 +68,13 @@ def triton_kernel(splits, lengths=None, **options):
         )
 
     return attention
+
+
+def without_dropout(attention):
+    def undropped(query, key, value, scale, dropout_p):
+        return attention(query, key, value, scale, 0.0)
+
+    return undropped
 
 
 def rotated_first(attention, cos, sin):
@@ -153,7 +168,9 @@ def main():
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--data_dir", default=".data", help="where wiki.txt is (for realistic row lengths)")
-    parser.add_argument("--groups", default="sweep", help="comma-separated: sweep, rope, synthesizer")
+    parser.add_argument(
+        "--groups", default="sweep", help="comma-separated: sweep, rope, synthesizer, dropout, correction, launch"
+    )
     parser.add_argument("--results", default=None, help="JSON file for the table")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -195,6 +212,51 @@ def main():
         "rope: triton rotating in the kernel, lengths": (triton_kernel(None, lengths, rotary=(cos, sin)), inputs, {}),
         "rope: triton without rotation (vanilla), lengths": (triton_kernel(None, lengths), inputs, {}),
     }
+    # What drawing the dropout mask costs (the forward kernel draws it once, the backward kernel twice).
+    groups["dropout"] = {
+        "dropout: triton, 4 uniforms per Philox draw, lengths": (
+            triton_kernel(None, lengths),
+            inputs,
+            {"UNIFORMS_PER_DRAW": 4},
+        ),
+        "dropout: triton, 1 uniform per Philox draw, lengths": (
+            triton_kernel(None, lengths),
+            inputs,
+            {"UNIFORMS_PER_DRAW": 1},
+        ),
+        "dropout: triton, no dropout, lengths": (without_dropout(triton_kernel(None, lengths)), inputs, {}),
+    }
+    groups["correction"] = {
+        "correction: triton, its own kernel, lengths": (
+            triton_kernel(None, lengths),
+            inputs,
+            {"PRECOMPUTED_CORRECTION": True},
+        ),
+        "correction: triton, in every backward program, lengths": (
+            triton_kernel(None, lengths),
+            inputs,
+            {"PRECOMPUTED_CORRECTION": False},
+        ),
+    }
+    # Launch settings of each kernel alone (the other at the library's): blocks of 16 positions, 2 warps.
+    launches = {
+        "forward 2 stages": {"NUM_STAGES": 2},
+        "forward 1 stage": {"NUM_STAGES": 1},
+        "forward 4 stages": {"NUM_STAGES": 4},
+        "forward 1 warp": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}},
+        "forward 4 warps": {"NUM_WARPS": {16: 4}, "BACKWARD_NUM_WARPS": {16: 2}},
+        "backward 1 warp": {"BACKWARD_NUM_WARPS": {16: 1}},
+        "backward 4 warps": {"BACKWARD_NUM_WARPS": {16: 4}},
+        "backward 1 stage": {"BACKWARD_NUM_STAGES": 1},
+        "backward 2 stages": {"BACKWARD_NUM_STAGES": 2},
+        "backward 4 stages": {"BACKWARD_NUM_STAGES": 4},
+        "backward blocks of 32, 2 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 2}},
+        "backward blocks of 32, 4 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 4}},
+        "backward blocks of 32, 8 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 8}},
+    }
+    groups["launch"] = {"launch: triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {})}
+    for name, constants in launches.items():
+        groups["launch"][f"launch: triton, {name}, lengths"] = (triton_kernel(None, lengths), inputs, constants)
     synthesizer_inputs = [inputs[0], table, inputs[2]]
     groups["synthesizer"] = {
         "synthesizer: sdpa fp32, bias in the mask": (sdpa_fp32_with_bias(bias), synthesizer_inputs, {}),

@@ -54,11 +54,31 @@ def block_size(request, monkeypatch):
     return request.param
 
 
+KERNEL_VARIANTS = {
+    "as-is": {},
+    "one-uniform-per-draw": {"UNIFORMS_PER_DRAW": 1},
+    "correction-in-backward": {"PRECOMPUTED_CORRECTION": False},
+}
+
+
+@pytest.fixture(params=list(KERNEL_VARIANTS))
+def kernel_variant(request, monkeypatch):
+    """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation instead
+    of four, or the backward pass's softmax correction recomputed by every backward program."""
+    for name, value in KERNEL_VARIANTS[request.param].items():
+        monkeypatch.setattr(fused_attention, name, value)
+    return request.param
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("length,transposed", [(37, True), (128, False)])
-def test_kernel_matches_fp64_reference_forward_and_backward(dtype, dropout_p, length, transposed, block_size):
+def test_kernel_matches_fp64_reference_forward_and_backward(
+    dtype, dropout_p, length, transposed, block_size, kernel_variant
+):
+    if dropout_p == 0.0 and kernel_variant == "one-uniform-per-draw":
+        pytest.skip("without dropout no uniforms are drawn")
     torch.manual_seed(0)
     batch, heads, head_dim = 2, 3, 32
     query, key, value = head_inputs(batch, heads, length, head_dim, dtype, transposed)
@@ -265,9 +285,11 @@ def test_no_written_kernel_argument_shares_memory_with_another(call):
         )
     written = {
         "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
+        "_correction_kernel": ["CORRECTION"],
         "_backward_kernel": ["GRAD_Q", "GRAD_K", "GRAD_V"] + (["GRAD_BIAS"] if bias is not None else []),
     }
-    assert [kernel.fn.__name__ for kernel, _ in launches] == ["_forward_kernel", "_backward_kernel"]
+    expected = ["_forward_kernel", "_correction_kernel", "_backward_kernel"]
+    assert [kernel.fn.__name__ for kernel, _ in launches] == expected
     for kernel, arguments in launches:
         name = kernel.fn.__name__
         tensors = {argument: value for argument, value in arguments.items() if isinstance(value, torch.Tensor)}
@@ -282,11 +304,18 @@ def test_no_written_kernel_argument_shares_memory_with_another(call):
 
 
 @needs_kernel
-def test_dropout_mask_rate_and_freshness():
+@pytest.mark.parametrize("uniforms_per_draw", [4, 1])
+def test_dropout_mask_rate_and_freshness(uniforms_per_draw, monkeypatch):
+    monkeypatch.setattr(fused_attention, "UNIFORMS_PER_DRAW", uniforms_per_draw)
     batch, heads, length = 4, 2, 64
     seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
     keep = dropout_keep_mask(seed, batch, heads, length, 0.1)
     assert abs(keep.float().mean().item() - 0.9) < 0.01  # 32,768 draws: σ ≈ 0.0017
+    # Adjacent keys (with 4 uniforms per draw, outputs of one Philox evaluation) are dropped independently:
+    # both of a pair in p² = 1% of pairs (16,384 pairs: σ ≈ 0.0008).
+    dropped = ~keep.view(-1, 2)
+    assert abs(dropped.all(-1).float().mean().item() - 0.01) < 0.004
+    assert abs(dropped.float().mean().item() - 0.1) < 0.01
     assert torch.equal(keep, dropout_keep_mask(seed, batch, heads, length, 0.1))
     other = dropout_keep_mask(seed + 1, batch, heads, length, 0.1)
     assert (keep != other).float().mean() > 0.1  # independent masks differ in ~18% of places

@@ -21,7 +21,10 @@ from hf_knowgpt.training import fast_path, trainer
 FIRST, LAST = 20, 40
 # CUDA kernels by what they do, first match wins (names as cuBLAS, inductor and hf_knowgpt.kernels give them)
 KERNEL_KINDS = (
-    ("attention (hf_knowgpt fused kernel)", r"_forward_kernel|_backward_kernel|attention|flash|fmha"),
+    (
+        "attention (hf_knowgpt fused kernel)",
+        r"_forward_kernel|_correction_kernel|_backward_kernel|attention|flash|fmha",
+    ),
     ("matrix products (cuBLAS)", r"nvjet|cutlass|gemm|splitK|cublas"),
     ("optimizer and clipping (fused AdamW, foreach norms)", r"adam|multi_tensor|foreach"),
     ("inductor's fused kernels", r"^triton_"),

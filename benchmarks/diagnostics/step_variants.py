@@ -11,7 +11,10 @@ before the command starts (`--run_one`). Each variant has its own TorchInductor 
 before its first run: a variant's first seed runs cold, the others warm.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or
-1 (`fused_attention.DEFAULT_SPLITS`); inductor options added to the graphed step's
+1 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or
+one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
+recomputed by every backward program (`correction-kernel`, `correction-inline`,
+`fused_attention.PRECOMPUTED_CORRECTION`); inductor options added to the graphed step's
 (`GraphedStepper.INDUCTOR_OPTIONS`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse
@@ -35,6 +38,10 @@ VARIANTS = {
     "as-is": {},
     "splits3": {"splits": 3},
     "splits1": {"splits": 1},
+    "uniforms4": {"uniforms": 4},
+    "uniforms1": {"uniforms": 1},
+    "correction-kernel": {"precomputed_correction": True},
+    "correction-inline": {"precomputed_correction": False},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
@@ -53,6 +60,10 @@ def run_one(variant: str, train_args: list[str]) -> None:
 
     settings = VARIANTS[variant]
     fused_attention.DEFAULT_SPLITS = settings.get("splits", fused_attention.DEFAULT_SPLITS)
+    fused_attention.UNIFORMS_PER_DRAW = settings.get("uniforms", fused_attention.UNIFORMS_PER_DRAW)
+    fused_attention.PRECOMPUTED_CORRECTION = settings.get(
+        "precomputed_correction", fused_attention.PRECOMPUTED_CORRECTION
+    )
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None

@@ -15,8 +15,9 @@ and dO Vᵀ) run on tensor cores exactly (products of bf16 numbers are exact in 
 fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q —
 split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
 three parts give fp32's 24 bits, two about 16, one what the flash kernel keeps. The dropout mask is
-regenerated from the call's seed in the backward pass instead of being stored, and the softmax
-correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an fp32 copy of the output rather than from the rounded one.
+regenerated from the call's seed in the backward pass instead of being stored (four adjacent keys'
+uniforms from each Philox evaluation), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
+fp32 copy of the output rather than from the rounded one.
 
 `fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
 tensors (any strides) and returns the attended values in bf16, in the memory order of `query`; with
@@ -51,6 +52,19 @@ DEFAULT_SPLITS = 3
 # benchmarks/bench_attention.py; see benchmarks/RESULTS.md).
 BLOCK_SIZE = 16
 NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 8}
+# Triton's software-pipelining stages of the forward kernel (None: Triton's default), and the backward
+# kernel's own settings (None: the forward's block size, warps and stages).
+NUM_STAGES = None
+BACKWARD_BLOCK_SIZE = None
+BACKWARD_NUM_WARPS = None
+BACKWARD_NUM_STAGES = None
+# The backward pass's softmax correction dOᵢ·Oᵢ computed once per query by a kernel of its own (True), or
+# by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
+# --groups correction, H100).
+PRECOMPUTED_CORRECTION = True
+# Dropout uniforms taken from each Philox evaluation: 4, all it gives, or 1. Four made the kernel 7% faster
+# (0.117 against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100).
+UNIFORMS_PER_DRAW = 4
 
 
 def fused_attention_available() -> bool:
@@ -141,16 +155,31 @@ if triton is not None:
     @triton.jit
     def _dropout_keep_at(seed_pointer, offsets, dropout_p):
         """Whether the elements numbered `offsets` survive dropout: a uniform (Philox) per number from the
-        call's seed, so a backward kernel regenerates the mask instead of reading a stored one. Shared with
-        `fused_layers`, so all the kernels draw their masks one way."""
+        call's seed, so a backward kernel regenerates the mask instead of reading a stored one. `fused_layers`
+        draws its masks this way."""
         return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
 
     @triton.jit
-    def _dropout_keep(seed_pointer, program, rows, cols, ROW_STRIDE: tl.constexpr, dropout_p):
-        """Which weights survive dropout: one uniform per (batch·head, query, key) from the call's seed,
-        drawn identically by the forward and the backward kernel, whatever their block size."""
-        offsets = program * ROW_STRIDE * ROW_STRIDE + rows[:, None] * ROW_STRIDE + cols[None, :]
-        return _dropout_keep_at(seed_pointer, offsets, dropout_p)
+    def _dropout_keep(
+        seed_pointer, program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr, dropout_p,
+        UNIFORMS: tl.constexpr,
+    ):  # fmt: skip
+        """Which weights of keys first_col … first_col + COLS − 1 survive dropout: one uniform per
+        (batch·head, query, key) from the call's seed, drawn identically by the forward and the backward
+        kernel, whatever their block size. With UNIFORMS 4, each Philox evaluation's four outputs serve
+        four adjacent keys (a quarter of the generator's work); with 1, each key takes the first output of
+        its own evaluation, as the layers' kernels draw."""
+        if UNIFORMS == 4:
+            quads = first_col // 4 + tl.arange(0, COLS // 4)
+            offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 4) + quads[None, :]
+            first, second, third, fourth = tl.rand4x(tl.load(seed_pointer), offsets)
+            uniforms = tl.reshape(tl.join(tl.join(first, second), tl.join(third, fourth)), (rows.shape[0], COLS))
+            keep = uniforms >= dropout_p
+        else:
+            cols = first_col + tl.arange(0, COLS)
+            offsets = (program * ROW_STRIDE + rows[:, None]) * ROW_STRIDE + cols[None, :]
+            keep = _dropout_keep_at(seed_pointer, offsets, dropout_p)
+        return keep
 
     @triton.jit
     def _dot(a, b, acc, INTERPRETED: tl.constexpr):
@@ -210,7 +239,8 @@ if triton is not None:
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
-        ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+        ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """One block of queries of one (batch, head): online softmax over the key blocks it sees. With
         ROTARY it also writes its rotated queries, and the rotated keys of its own block, to QR and KR for
@@ -237,7 +267,10 @@ if triton is not None:
                 weights = tl.exp(scores - new_max[:, None])
                 row_sum = row_sum * rescale + tl.sum(weights, 1)
                 if DROPOUT_P > 0:
-                    weights = tl.where(_dropout_keep(SEED, program, rows, cols, ROW_STRIDE, DROPOUT_P), weights, 0.0)
+                    keep = _dropout_keep(
+                        SEED, program, rows, key_block * BLOCK, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS
+                    )
+                    weights = tl.where(keep, weights, 0.0)
                 out = _split_dot(weights, v, out * rescale[:, None], SPLITS, INTERPRETED)
                 row_max = new_max
             if ROTARY:  # rotated once here, the backward pass reads them as they are
@@ -255,32 +288,59 @@ if triton is not None:
         tl.store(LSE + program * seq_len + rows, lse, mask=rows < seq_len)
 
     @triton.jit
-    def _query_terms(
-        Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
-        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr,
-    ):  # fmt: skip
-        """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and dOᵢ·Oᵢ."""
-        q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
-        grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
+    def _correction(OUT32, grad_out, b, h, rows, dims, length, seq_len, n_head, HEAD_DIM: tl.constexpr):
+        """The softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ of a block of queries (0 past the sequence), from
+        their output gradient and the fp32 output."""
         head_stride = seq_len * HEAD_DIM
         out = _load(OUT32, b, h, n_head * head_stride, head_stride, HEAD_DIM, 1, rows, dims, length, 0)
+        return tl.sum(grad_out.to(tl.float32) * out, 1)
+
+    @triton.jit
+    def _correction_kernel(
+        GRAD_OUT, OUT32, CORRECTION, LENGTHS, STARTS, sg_b, sg_h, sg_t, sg_d, n_head, seq_len,
+        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
+    ):  # fmt: skip
+        """Each block of queries' correction, once, for the backward programs that would each recompute it
+        from dO and the fp32 output (PRECOMPUTED_CORRECTION)."""
+        query_block, program = tl.program_id(0), tl.program_id(1)
+        b, h = program // n_head, program % n_head
+        length, start, _ = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
+        rows, dims = query_block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
+        grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
+        correction = _correction(OUT32, grad_out, b, h, rows, dims, length, seq_len, n_head, HEAD_DIM)
+        tl.store(CORRECTION + program * seq_len + rows, correction, mask=rows < seq_len)
+
+    @triton.jit
+    def _query_terms(
+        Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
+        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM: tl.constexpr, PRECOMPUTED: tl.constexpr,
+    ):  # fmt: skip
+        """What the backward pass needs of a block of queries: Q, dO, the log-sum-exp and the correction
+        dOᵢ·Oᵢ (read from CORRECTION when PRECOMPUTED)."""
+        q = _load(Q, b, h, sq_b, sq_h, sq_t, sq_d, rows, dims, length, start)
+        grad_out = _load(GRAD_OUT, b, h, sg_b, sg_h, sg_t, sg_d, rows, dims, length, start)
         lse = tl.load(LSE + program * seq_len + rows, mask=rows < length, other=0.0)
-        return q, grad_out, lse, tl.sum(grad_out.to(tl.float32) * out, 1)
+        if PRECOMPUTED:
+            correction = tl.load(CORRECTION + program * seq_len + rows, mask=rows < length, other=0.0)
+        else:
+            correction = _correction(OUT32, grad_out, b, h, rows, dims, length, seq_len, n_head, HEAD_DIM)
+        return q, grad_out, lse, correction
 
     @triton.jit
     def _weight_gradients(
-        q, k, v, grad_out, lse, correction, BIAS, rows, cols, length, SEED, program,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, ROW_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        INTERPRETED: tl.constexpr,
+        q, k, v, grad_out, lse, correction, BIAS, rows, first_col, length, SEED, program,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK: tl.constexpr, ROW_STRIDE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """For a block of queries against a block of keys: the weights after dropout (what multiplied V)
         and the gradient of the scores (bias included) dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), all in fp32; the
-        gradient of Q Kᵀ is dS · scale."""
+        gradient of Q Kᵀ is dS · scale. The keys are first_col … first_col + BLOCK − 1."""
+        cols = first_col + tl.arange(0, BLOCK)
         scores = _causal_scores(q, k, BIAS, rows, cols, length, SCALE, HAS_BIAS, INTERPRETED)
         weights = tl.exp(scores - lse[:, None])
         grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED)
         if DROPOUT_P > 0:
-            keep = _dropout_keep(SEED, program, rows, cols, ROW_STRIDE, DROPOUT_P)
+            keep = _dropout_keep(SEED, program, rows, first_col, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS)
             kept_weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
             grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
         else:
@@ -289,13 +349,15 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, OUT32, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS, GRAD_Q, GRAD_K, GRAD_V, GRAD_BIAS,
+        Q, K, V, OUT32, CORRECTION, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS,
+        GRAD_Q, GRAD_K, GRAD_V, GRAD_BIAS,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
-        ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+        ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
+        PRECOMPUTED: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
         them), then of queries i (over the key blocks they see), so no two programs write one gradient.
@@ -316,28 +378,28 @@ if triton is not None:
             for query_block in range(block, tl.cdiv(length, BLOCK)):
                 rows = query_block * BLOCK + tl.arange(0, BLOCK)
                 q, grad_out, lse, correction = _query_terms(
-                    Q, GRAD_OUT, OUT32, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
-                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
+                    Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
+                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
                 )  # fmt: skip
                 kept_weights, grad_scores = _weight_gradients(
-                    q, k, v, grad_out, lse, correction, BIAS, rows, positions, length, SEED, program,
-                    SCALE, DROPOUT_P, ROW_STRIDE, HAS_BIAS, INTERPRETED,
+                    q, k, v, grad_out, lse, correction, BIAS, rows, block * BLOCK, length, SEED, program,
+                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
                 )  # fmt: skip
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
                 if HAS_BIAS:
                     grad_scores_sum += grad_scores
             q, grad_out, lse, correction = _query_terms(
-                Q, GRAD_OUT, OUT32, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
-                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM,
+                Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
+                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
             )  # fmt: skip
             for key_block in range(0, block + 1):
                 cols = key_block * BLOCK + tl.arange(0, BLOCK)
                 k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, key_start)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
-                    q, k, v, grad_out, lse, correction, BIAS, positions, cols, length, SEED, program,
-                    SCALE, DROPOUT_P, ROW_STRIDE, HAS_BIAS, INTERPRETED,
+                    q, k, v, grad_out, lse, correction, BIAS, positions, key_block * BLOCK, length, SEED, program,
+                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
         # The scores' gradients times the scale: those of Q Kᵀ. Rotated queries' and keys' gradients are
@@ -367,16 +429,22 @@ if triton is not None:
         return shape, lambda tensor: (0, 0, *tensor.stride()) if tensor.dim() == 2 else grid_strides(tensor)
 
     def _launch(kernel, shape, lengths, starts, rotary, key_table, bias, scale, dropout_p, splits, block_size):
-        """The kernel over a grid of (block, batch·head) programs, with the options both kernels share."""
+        """The kernel over a grid of (block, batch·head) programs, with those of the shared options it takes."""
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
         block = min(block_size, row_stride)
         options = dict(
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
             SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
-            KEY_TABLE=key_table, HAS_BIAS=bias is not None, INTERPRETED=_interpreted(),
-            num_warps=NUM_WARPS.get(block, 4),
+            KEY_TABLE=key_table, HAS_BIAS=bias is not None, UNIFORMS=UNIFORMS_PER_DRAW,
+            PRECOMPUTED=PRECOMPUTED_CORRECTION, INTERPRETED=_interpreted(),
         )  # fmt: skip
+        options = {name: value for name, value in options.items() if name in kernel.arg_names}
+        backward = kernel is _backward_kernel
+        options["num_warps"] = ((BACKWARD_NUM_WARPS if backward else None) or NUM_WARPS).get(block, 4)
+        stages = (BACKWARD_NUM_STAGES if backward else None) or NUM_STAGES
+        if stages is not None:
+            options["num_stages"] = stages
         if _recording is not None:  # `recorded_launches`: what the kernel would be handed, by argument name
             return lambda *arguments: _recording.append(
                 (kernel, {**dict(zip(kernel.arg_names, (*arguments, heads, length))), **options})
@@ -457,16 +525,24 @@ if triton is not None:
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
         key_table = key.dim() == 2
+        block_size = BACKWARD_BLOCK_SIZE or block_size
         grad_out = grad_out.to(query.dtype)
         grad_q, grad_v = torch.empty_like(query), torch.empty_like(value)
         # A shared table's gradient sums every sequence's and head's share: each program writes its own.
         grad_k = torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
         grad_bias = torch.empty(batch * heads, length, device=key.device) if bias is not None else key.new_empty(0)
-        _launch(
-            _backward_kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits,
-            block_size,
-        )(
-            query, key, value, out32, grad_out, lse, seed, *_pointers(query.device, lengths, starts, cos, sin, bias),
+        launch = lambda kernel: _launch(  # noqa: E731
+            kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits, block_size
+        )
+        correction = None
+        if PRECOMPUTED_CORRECTION:
+            correction = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
+            launch(_correction_kernel)(
+                grad_out, out32, correction, *_pointers(query.device, lengths, starts), *strides(grad_out)
+            )
+        launch(_backward_kernel)(
+            query, key, value, *_pointers(query.device, None if PRECOMPUTED_CORRECTION else out32, correction),
+            grad_out, lse, seed, *_pointers(query.device, lengths, starts, cos, sin, bias),
             grad_q, grad_k, grad_v, *_pointers(query.device, grad_bias if bias is not None else None),
             *strides(query), *strides(key), *strides(value), *strides(grad_out),
             *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v),
@@ -615,17 +691,17 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, length: int, d
     """The (B, H, T, T) boolean mask of the weights the kernels keep for `seed`, for tests and debugging."""
     block = _block(length)
     keep = torch.empty(batch * heads, block, block, dtype=torch.int8, device=seed.device)
-    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, ROW_STRIDE=block)
+    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, ROW_STRIDE=block, UNIFORMS=UNIFORMS_PER_DRAW)
     return keep[:, :length, :length].bool().view(batch, heads, length, length)
 
 
 if triton is not None:
 
     @triton.jit
-    def _mask_kernel(SEED, KEEP, dropout_p, ROW_STRIDE: tl.constexpr):
+    def _mask_kernel(SEED, KEEP, dropout_p, ROW_STRIDE: tl.constexpr, UNIFORMS: tl.constexpr):
         program = tl.program_id(0)
         rows = tl.arange(0, ROW_STRIDE)
-        keep = _dropout_keep(SEED, program, rows, rows, ROW_STRIDE, dropout_p)
+        keep = _dropout_keep(SEED, program, rows, 0, ROW_STRIDE, ROW_STRIDE, dropout_p, UNIFORMS)
         offsets = program * ROW_STRIDE * ROW_STRIDE + rows[:, None] * ROW_STRIDE + rows[None, :]
         tl.store(KEEP + offsets, keep.to(tl.int8))
 
