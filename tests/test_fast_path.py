@@ -345,6 +345,9 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tm
         uncaptured._body(uncaptured._prepare_packed(step) if packed else None)
     torch.cuda.synchronize()
     assert len(graphed.graphs) >= 1 and graphed.capture_seconds > 0
+    # one record per graph, in the order captured, their seconds adding up to the capture time
+    assert [capture["tokens"] for capture in graphed.captures] == list(graphed.graphs)
+    assert sum(capture["seconds"] for capture in graphed.captures) == pytest.approx(graphed.capture_seconds)
     uncaptured.loss_count = steps  # its bodies ran without `run`, which counts them
     assert abs(graphed.take_loss().item() - uncaptured.take_loss().item()) < 1e-4
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Variants of the training step's kernels, each as the whole `scripts/train.py` command (one process per
 run), variants alternating within each seed so that the machine's drift hits all; a table of dev accuracy,
-compilation and capture, pretraining steps and the whole process printed last.
+compilation and capture (and how many graphs were captured, the first of which compiles), pretraining steps and
+the whole process printed last.
 
     python benchmarks/diagnostics/step_variants.py --variants splits3,splits1 --seeds 0,1,2 --output OUT.json -- \\
         --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile
@@ -14,7 +15,8 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 1 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or
 one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
-`fused_attention.PRECOMPUTED_CORRECTION`); inductor options added to the graphed step's
+`fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
+instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); inductor options added to the graphed step's
 (`GraphedStepper.INDUCTOR_OPTIONS`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse
@@ -42,6 +44,7 @@ VARIANTS = {
     "uniforms1": {"uniforms": 1},
     "correction-kernel": {"precomputed_correction": True},
     "correction-inline": {"precomputed_correction": False},
+    "bucket512": {"bucket": 512},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
@@ -65,6 +68,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
         "precomputed_correction", fused_attention.PRECOMPUTED_CORRECTION
     )
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
+    GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):
@@ -116,6 +120,8 @@ def main():
                     "seed": int(seed),
                     "process_s": seconds,
                     "pretrain_capture_s": pretrain["warmup_seconds"],
+                    "pretrain_graphs": len(pretrain["captures"]),
+                    "pretrain_first_capture_s": pretrain["captures"][0]["seconds"] if pretrain["captures"] else 0.0,
                     "pretrain_steps_s": pretrain["train_seconds"] - pretrain["warmup_seconds"],
                     "page_faults": faults,
                     "final_loss": pretrain["final_loss"],
@@ -126,13 +132,14 @@ def main():
     if args.output:
         Path(args.output).write_text(json.dumps(runs, indent=2))
     print(
-        f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'steps s':>9}"
-        f"{'process s':>11}{'page faults':>13}"
+        f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'graphs':>8}"
+        f"{'first s':>9}{'steps s':>9}{'process s':>11}{'page faults':>13}"
     )
     for run in runs:
         print(
             f"{run['variant']:<20}{run['seed']:>6}{100 * run['dev_accuracy']:>8.1f}{run['final_loss']:>12.3f}"
-            f"{run['pretrain_capture_s']:>11.1f}{run['pretrain_steps_s']:>9.1f}{run['process_s']:>11.1f}"
+            f"{run['pretrain_capture_s']:>11.1f}{run['pretrain_graphs']:>8}{run['pretrain_first_capture_s']:>9.1f}"
+            f"{run['pretrain_steps_s']:>9.1f}{run['process_s']:>11.1f}"
             f"{run['page_faults']:>13,}"
         )
 

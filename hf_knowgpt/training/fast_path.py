@@ -169,17 +169,21 @@ class GraphedStepper:
     """
 
     WARMUP_STEPS = 3
+    # Real tokens of a packed step rounded up to a multiple of this: each multiple met gets its own graph (12
+    # over the handout recipe's 14950 steps, 7 with 512), and the rounding adds 1.7% of a step's 7515 real
+    # tokens on average (3.4% with 512).
+    BUCKET = 256
     # combo_kernels launches independent small kernels (weight casts, bias-gradient sums) as one: the step
     # is bound by ~300 kernels of a few µs (1.91 against 2.06 ms per step on an H200; benchmarks/RESULTS.md).
     INDUCTOR_OPTIONS = {"combo_kernels": True}
 
-    def __init__(self, trainer, compile_model: bool = False, packed: bool | None = None, bucket: int = 256):
+    def __init__(self, trainer, compile_model: bool = False, packed: bool | None = None, bucket: int | None = None):
         self.trainer = trainer
         args, accelerator = trainer.args, trainer.accelerator
         device = accelerator.device
         self.device = device
         self.packed = args.packed if packed is None else packed
-        self.bucket = bucket
+        self.bucket = bucket or self.BUCKET
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
         options = self.INDUCTOR_OPTIONS if device.type == "cuda" else None
         # Packed, only the token count varies (one graph for every bucket): its buffers are marked dynamic.
@@ -238,6 +242,7 @@ class GraphedStepper:
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
         self.capture_seconds = 0.0
+        self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
     def _body(self, capacity=None):
@@ -378,7 +383,9 @@ class GraphedStepper:
         self.graphs[capacity] = graph
         self._restore(snapshot)
         torch.cuda.synchronize()
-        self.capture_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.capture_seconds += seconds
+        self.captures.append({"tokens": capacity, "seconds": seconds})
 
     def run(self, first_step: int, count: int, should_stop) -> int:
         for global_step in range(first_step, first_step + count):

@@ -207,6 +207,7 @@ class TrainingResult:
     interrupted: int = 0  # the signal that stopped the run, 0 when it ran to the end
     epoch_seconds: list = field(default_factory=list)  # seconds from the start (or resumption) to each epoch end
     warmup_seconds: float = 0.0  # graph capture and its warm-up steps, inside train_seconds
+    captures: list = field(default_factory=list)  # {"tokens", "seconds"} of each CUDA graph captured
 
 
 class KnowGPTTrainer:
@@ -503,6 +504,7 @@ class KnowGPTTrainer:
             interrupted=interrupted,
             epoch_seconds=[timeline.seconds(mark) for mark in epoch_marks],
             warmup_seconds=getattr(stepper, "capture_seconds", 0.0),
+            captures=getattr(stepper, "captures", []),
         )
 
     def optimizer_step(self, batch: TrainingBatch, rank: int, world: int, packed: bool | None = None) -> torch.Tensor:
