@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Variants of the training step's kernels, each as the whole `scripts/train.py` command (one process per
 run), variants alternating within each seed so that the machine's drift hits all; a table of dev accuracy,
-compilation and capture (and how many graphs were captured, the first of which compiles), pretraining steps and
-the whole process printed last.
+compilation and capture (and how many graphs were captured, the first of which compiles), pretraining steps
+and the whole process printed last.
 
     python benchmarks/diagnostics/step_variants.py --variants splits3,splits1 --seeds 0,1,2 --output OUT.json -- \\
         --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile
@@ -16,8 +16,8 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
-instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); inductor options added to the graphed step's
-(`GraphedStepper.INDUCTOR_OPTIONS`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); inductor options added to
+the graphed step's (`GraphedStepper.INDUCTOR_OPTIONS`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
