@@ -238,8 +238,8 @@ def main(argv=None):
         f"pretraining epoch, {1000 * handout['question_s']:.0f} ms per question"
         + (f", {handout['correct']} of {handout['questions']} right)" if handout["whole_recipe_run"] else ")")
     )
-    runs = keys  # as `results` names them: a repeated run as "<run> (2)"
-    for run in runs:
+    # `keys`: the runs as `results` names them, a repeated run as "<run> (2)"
+    for run in keys:
         row = results[run]
         print(
             f"{'train.py ' + args.attention_type + ' bf16, ' + run:<64}{row['process_s']:>8.1f} s   "
@@ -247,12 +247,12 @@ def main(argv=None):
         )
     print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<64}{results['evaluate']['process_s']:>8.1f} s")
     print(f"\nwhere the seconds go (train.py {args.attention_type}, bf16); columns: " + "; ".join(
-        f"{i + 1} = {run}" for i, run in enumerate(runs)))  # fmt: skip
-    print(f"{'phase':<70}" + "".join(f"{i + 1:>8}" for i in range(len(runs))))
-    columns = [dict(results[run]["breakdown_s"]) for run in runs]
-    for label in dict.fromkeys(label for run in runs for label, _ in results[run]["breakdown_s"]):
+        f"{i + 1} = {run}" for i, run in enumerate(keys)))  # fmt: skip
+    print(f"{'phase':<70}" + "".join(f"{i + 1:>8}" for i in range(len(keys))))
+    columns = [dict(results[run]["breakdown_s"]) for run in keys]
+    for label in dict.fromkeys(label for run in keys for label, _ in results[run]["breakdown_s"]):
         print(f"{label:<70}" + "".join(f"{column.get(label, 0.0):>8.1f}" for column in columns))
-    print(f"{'whole process':<70}" + "".join(f"{results[run]['process_s']:>8.1f}" for run in runs))
+    print(f"{'whole process':<70}" + "".join(f"{results[run]['process_s']:>8.1f}" for run in keys))
     return results
 
 
