@@ -6,12 +6,13 @@
 
 On a GPU, in one run:
 1. `python scripts/train.py --recipe handout --attention_type vanilla --data_dir DATA --mixed_precision bf16
-   --torch_compile` twice: cold (empty TorchInductor and Triton caches, as on a fresh machine) and warm
+   --torch_compile` twice: cold (empty TorchInductor, Triton and package caches, as on a fresh machine) and warm
    (the same caches, a second run on the same machine); then the same run under `accelerate launch
    --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
    --runs picks others: without --torch_compile (the fused kernels and CUDA graphs alone), cold and warm,
    with or without `--fused_layers`; compiled with one compile thread (no pool of compile workers to start
-   and stop).
+   and stop); compiled with empty compiler caches but the artifacts the package saved from an earlier
+   compiled run (`compiled-cold-saved-artifacts`: a new machine or container given ~/.cache/hf_knowgpt).
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -40,6 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO_ROOT / "scripts"
 RUNS = (
     "compiled-cold",
+    "compiled-cold-saved-artifacts",
     "compiled-warm",
     "compiled-warm-one-compile-thread",
     "compiled-warm-accelerate-launch",
@@ -49,7 +51,8 @@ RUNS = (
     "uncompiled-warm-fused-layers",
 )
 DEFAULT_RUNS = ("compiled-cold", "compiled-warm", "compiled-warm-accelerate-launch")
-CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+# The compiler's caches, and the package's copy of what a compiled run compiled (hf_knowgpt.training.compile_cache).
+CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
 
 
 def accelerate_launch(mixed_precision: str) -> list[str]:
@@ -177,6 +180,7 @@ def main(argv=None):
         launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe]
         commands = {
             "compiled-cold": [*direct, "--torch_compile"],
+            "compiled-cold-saved-artifacts": [*direct, "--torch_compile"],
             "compiled-warm": [*direct, "--torch_compile"],
             "compiled-warm-one-compile-thread": [*direct, "--torch_compile"],
             "compiled-warm-accelerate-launch": [*launched, "--torch_compile"],
@@ -195,8 +199,9 @@ def main(argv=None):
             env = {name: str(work / name) for name in CACHES}  # one set of caches, emptied by a cold run
             if run.endswith("one-compile-thread"):
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-            if "-cold" in run:
-                for folder in CACHES:
+            if "-cold" in run:  # saved artifacts: a fresh machine given what an earlier run compiled
+                kept = ("KNOWGPT_COMPILE_CACHE",) if run.endswith("saved-artifacts") else ()
+                for folder in set(CACHES) - set(kept):
                     shutil.rmtree(env[folder], ignore_errors=True)
             clock = {}
             seconds, output = timed(command, work / f"{output_dir.name}.log", env=env, clock=clock)

@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiled training runs in the tests keep their artifacts here, not in the user's cache.
+os.environ.setdefault("KNOWGPT_COMPILE_CACHE", tempfile.mkdtemp(prefix="knowgpt-test-compiled-"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The CS224N files are read from ../shared/data (or KNOWGPT_DATA, e.g. a copy carried to the GPU machine).

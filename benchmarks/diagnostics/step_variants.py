@@ -8,8 +8,8 @@ and the whole process printed last.
         --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile
 
 Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `--output_dir`, the variant set
-before the command starts (`--run_one`). Each variant has its own TorchInductor and Triton caches, empty
-before its first run: a variant's first seed runs cold, the others warm.
+before the command starts (`--run_one`). Each variant has its own TorchInductor, Triton and package (compiled
+artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or
 1 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or
@@ -104,7 +104,7 @@ def main():
             output_dir = work / f"{variant}-seed{seed}-run{len(runs)}"
             caches = {
                 name: str(work / f"{variant}-caches" / name)
-                for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+                for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
             }
             command = [sys.executable, __file__, "--run_one", variant, *train_args, "--seed", seed]
             command += ["--output_dir", str(output_dir)]

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from data_loaders.encoding import collate_handout_pairs
 
 from ..options import TRAINING_PATHS
+from .compile_cache import artifacts_file, load_artifacts, save_artifacts
 from .data import TrainingBatch, packed_size, packed_token_index
 
 
@@ -243,6 +244,15 @@ class GraphedStepper:
         self.pool = None
         self.capture_seconds = 0.0
         self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
+        # What an earlier process compiled for this model and these step shapes, back into the compiler's caches.
+        self.artifacts = None
+        if compile_model:
+            self.artifacts = artifacts_file(
+                model=model.config.to_dict(), packed=self.packed, seq_len=self.seq_len, rows=self.rows,
+                bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            )  # fmt: skip
+            load_artifacts(self.artifacts)
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
     def _body(self, capacity=None):
@@ -401,6 +411,11 @@ class GraphedStepper:
         self.loss_sum.zero_()
         self.loss_count = 0
         return mean
+
+    def save_compiled(self) -> None:
+        """Keep what this run compiled for later processes (`compile_cache`); the first process only."""
+        if self.artifacts is not None and self.rank == 0:
+            save_artifacts(self.artifacts)
 
 
 __all__ = [

@@ -483,6 +483,8 @@ class KnowGPTTrainer:
                     break
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if isinstance(stepper, GraphedStepper):
+            stepper.save_compiled()
         losses.flush(wait=True)
         progress.close()
         seconds = time.perf_counter() - started

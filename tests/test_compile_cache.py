@@ -1,0 +1,74 @@
+"""What a compiled step compiled is kept by the package (`hf_knowgpt.training.compile_cache`): a process
+whose compiler caches are empty loads it and finds every graph in the caches; a damaged file is skipped."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from hf_knowgpt.training import compile_cache
+
+# A small training step compiled (forward and backward), its artifacts loaded first when the file is there and
+# saved after; prints the compiler's cache counters.
+STEP = textwrap.dedent(
+    """
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from hf_knowgpt.training.compile_cache import load_artifacts, save_artifacts
+    from pathlib import Path
+
+    path = Path(sys.argv[1])
+    loaded = load_artifacts(path)
+    layer = torch.nn.Linear(16, 8)
+    step = torch.compile(lambda x: torch.nn.functional.gelu(layer(x)).sum())
+    step(torch.randn(4, 16)).backward()
+    saved = save_artifacts(path)
+    print(json.dumps({"loaded": loaded, "saved": saved, "inductor": dict(counters["inductor"]),
+                      "aot_autograd": dict(counters["aot_autograd"])}))
+    """
+)
+
+
+def run_step(path, inductor_cache):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)}
+    completed = subprocess.run(
+        [sys.executable, "-c", STEP, str(path)], env=env, capture_output=True, text=True, check=True, timeout=600
+    )
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_a_process_with_empty_caches_finds_what_an_earlier_one_compiled(tmp_path):
+    path = compile_cache.artifacts_file(model={"n_embd": 16}, rows=4)
+    path = tmp_path / path.name
+    first = run_step(path, tmp_path / "inductor-first")
+    assert first["inductor"].get("fxgraph_cache_miss", 0) > 0 and first["saved"] and not first["loaded"]
+    # A new machine's (or a rebooted one's) empty inductor cache, the package's file kept:
+    second = run_step(path, tmp_path / "inductor-second")
+    assert second["loaded"] and not second["saved"]  # nothing compiled anew: the file is left as it is
+    assert second["inductor"].get("fxgraph_cache_hit", 0) == first["inductor"]["fxgraph_cache_miss"]
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert second["aot_autograd"].get("autograd_cache_hit", 0) == 1, second
+
+
+def test_the_file_depends_on_the_key_and_the_versions(monkeypatch, tmp_path):
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path))
+    path = compile_cache.artifacts_file(model={"n_embd": 16}, rows=4)
+    assert path.parent == tmp_path
+    assert path == compile_cache.artifacts_file(rows=4, model={"n_embd": 16})
+    assert path != compile_cache.artifacts_file(model={"n_embd": 32}, rows=4)
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert path != compile_cache.artifacts_file(model={"n_embd": 16}, rows=4)
+    monkeypatch.delenv("KNOWGPT_COMPILE_CACHE")
+    monkeypatch.setenv("KNOWGPT_CACHE", str(tmp_path / "package"))
+    assert compile_cache.compile_cache_dir() == tmp_path / "package" / "compiled"
+
+
+def test_a_missing_or_damaged_file_is_skipped(tmp_path, caplog):
+    assert not compile_cache.load_artifacts(tmp_path / "absent.bin")
+    damaged = tmp_path / "damaged.bin"
+    damaged.write_bytes(b"not artifacts")
+    assert not compile_cache.load_artifacts(damaged)
+    assert "not loaded" in caplog.text and str(damaged) in caplog.text
