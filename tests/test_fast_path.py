@@ -321,6 +321,30 @@ def test_the_compiled_step_clips_and_sets_the_rate_as_the_uncompiled_one(pretrai
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
 
 
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope"])
+def test_the_compiled_packed_step_through_sdpa_is_one_trace_for_every_bucket(pretraining_data, tmp_path, attention_type):
+    """Packed training where the fused kernel does not run (`--no_fused_attention`; SDPA) compiles without graph
+    breaks, its token count dynamic: one trace of the model serves every bucket. A break in the projection into
+    the (B, T) grid (torch 2.11's dynamo could not take the truth of a bound method) specialized the token count
+    that the step marks dynamic, and the compiled run stopped with a ConstraintViolationError on a GPU."""
+    tokenizer, data = pretraining_data
+    trainer = make_trainer(tmp_path, data, fresh_model(len(tokenizer), attention_type), graphed=True)
+    assert trainer.model.config._attn_implementation == "sdpa"
+    stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
+    torch._dynamo.reset()
+    counters.clear()
+    capacities = set()
+    for step in range(trainer.steps_per_epoch + 1):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        capacity = stepper._prepare_packed(step)
+        capacities.add(capacity)
+        stepper._body(capacity)
+    assert len(capacities) > 1, capacities  # several buckets: the token count varied
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # the model, the step's batch and its clipping: one graph each
+    assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("packed", [True, False])
 def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tmp_path, packed):
