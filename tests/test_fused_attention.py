@@ -73,12 +73,14 @@ def kernel_variant(request, monkeypatch):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-@pytest.mark.parametrize("length,transposed", [(37, True), (128, False)])
+@pytest.mark.parametrize("length,transposed", [(37, True), (128, False), (192, True)])
 def test_kernel_matches_fp64_reference_forward_and_backward(
     dtype, dropout_p, length, transposed, block_size, kernel_variant
 ):
     if dropout_p == 0.0 and kernel_variant == "one-uniform-per-draw":
         pytest.skip("without dropout no uniforms are drawn")
+    if length > 128 and kernel_variant != "as-is":
+        pytest.skip("the variants are checked at the shorter lengths (the interpreter is slow)")
     torch.manual_seed(0)
     batch, heads, head_dim = 2, 3, 32
     query, key, value = head_inputs(batch, heads, length, head_dim, dtype, transposed)
@@ -97,9 +99,11 @@ def test_kernel_matches_fp64_reference_forward_and_backward(
     # place (2⁻⁷ relative).
     ulp = 2**-7
     torch.testing.assert_close(out, expected.to(dtype), rtol=ulp, atol=1e-6)
+    # Where the exact gradient is zero (the first query sees one key: dS = P (dP − P dP) = 0), fp32's
+    # rounding of the difference leaves about 1e-6 (seen at length 192).
     for name, got, want in zip("qkv", grads, expected_grads):
         message = lambda text, name=name: f"gradient of {name}: {text}"  # noqa: E731
-        torch.testing.assert_close(got, want, rtol=ulp, atol=1e-6, msg=message)
+        torch.testing.assert_close(got, want, rtol=ulp, atol=1e-5, msg=message)
 
 
 @needs_kernel
@@ -165,8 +169,8 @@ def test_packed_sequences_match_the_grid(block_size):
     with pytest.raises(ValueError, match="cover every token: lengths sum to 171, not 172"):
         fused_causal_attention(*packed, scale, lengths=lengths - torch.tensor([1, 0, 0, 0], device=DEVICE),
                                starts=starts, seq_len=length)  # fmt: skip
-    with pytest.raises(ValueError, match="seq_len ≤ 128"):
-        fused_causal_attention(*packed, scale, lengths=lengths, starts=starts, seq_len=129)
+    with pytest.raises(ValueError, match="seq_len ≤ 256"):
+        fused_causal_attention(*packed, scale, lengths=lengths, starts=starts, seq_len=257)
 
 
 @needs_kernel
@@ -386,8 +390,10 @@ def test_only_unmasked_short_causal_half_precision_calls_qualify():
     single, half = query.float(), query.half()
     assert not supports_fused_attention(single, single, single, None, True)  # fp32: SDPA is the fp32 kernel
     assert not supports_fused_attention(half, half, half, None, True)  # fp16: not offered
-    long = torch.zeros(2, 4, 129, 32, device=DEVICE, dtype=torch.bfloat16)
-    assert not supports_fused_attention(long, long, long, None, True)  # beyond one 128-position block
+    knowledge_block = torch.zeros(2, 4, 192, 32, device=DEVICE, dtype=torch.bfloat16)  # the knowledge recipe's
+    assert supports_fused_attention(knowledge_block, knowledge_block, knowledge_block, None, True) == qualifies
+    long = torch.zeros(2, 4, 257, 32, device=DEVICE, dtype=torch.bfloat16)
+    assert not supports_fused_attention(long, long, long, None, True)  # beyond MAX_SEQ_LEN
     odd = torch.zeros(2, 4, 100, 24, device=DEVICE, dtype=torch.bfloat16)
     assert not supports_fused_attention(odd, odd, odd, None, True)  # head_dim not a power of two
     with pytest.raises(ValueError, match="fused_causal_attention needs"):

@@ -25,7 +25,7 @@ tensors (any strides) and returns the attended values in bf16, in the memory ord
 back to back (packed training: no scatter into a padded grid and gather back). Rope's rotation
 (`rotary=`: the forward kernel rotates each block as it loads it and writes the rotated copies for the
 backward kernel) and the synthesizer's keys by position with a bias (`key` a (T, D) table, `bias=`) are
-done inside. It applies to causal self-attention without a padding mask (training) with T ≤ 128 and D a
+done inside. It applies to causal self-attention without a padding mask (training) with T ≤ 256 and D a
 power of two ≥ 16; `supports_fused_attention` says whether a call qualifies. It needs Triton and a CUDA
 device (or Triton's interpreter).
 
@@ -45,7 +45,9 @@ try:  # Triton ships with CUDA builds of torch; CPU builds go without it.
 except ImportError:  # pragma: no cover - depends on the installed torch
     triton = None
 
-MAX_SEQ_LEN = 128
+# The longest sequence: the knowledge recipe's block of 192 positions fits (blocks of 16 positions loop
+# over up to 16 blocks; the dropout mask's row stride is 256).
+MAX_SEQ_LEN = 256
 # Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy.
 DEFAULT_SPLITS = 3
 # Positions per block of queries or keys, and warps per program for each block size (tuned with
@@ -72,7 +74,7 @@ def fused_attention_available() -> bool:
 
 
 def supports_fused_attention(query, key, value, mask, is_causal, seq_len: int | None = None) -> bool:
-    """Whether `fused_causal_attention` computes this call: causal bf16 self-attention over at most 128
+    """Whether `fused_causal_attention` computes this call: causal bf16 self-attention over at most 256
     positions, without a padding mask; (B, H, T, D) tensors, or packed (tokens, H, D) ones whose
     sequences are at most `seq_len` long; the keys may be a (≥ T, D) table of keys by position. (fp16 is
     not offered: on the GPU its value gradients came out NaN in a test, a fault not found yet.)"""
@@ -615,7 +617,7 @@ def fused_causal_attention(
     if packed and (starts is None or seq_len is None or lengths is None):
         raise ValueError("packed sequences need all of lengths, starts and seq_len")
     if not supports_fused_attention(query, key, value, None, True, seq_len=seq_len if packed else None):
-        layout = "(tokens, H, D) with seq_len ≤ 128" if packed else "(B, H, T ≤ 128, D)"
+        layout = f"(tokens, H, D) with seq_len ≤ {MAX_SEQ_LEN}" if packed else f"(B, H, T ≤ {MAX_SEQ_LEN}, D)"
         raise ValueError(
             f"fused_causal_attention needs Triton and bf16 CUDA tensors of one shape {layout} (keys: or a (≥ T, D) table) "
             f"with D a power of two ≥ 16; got {tuple(query.shape)} {query.dtype} on {query.device}"
