@@ -322,7 +322,7 @@ def test_the_compiled_step_clips_and_sets_the_rate_as_the_uncompiled_one(pretrai
 
 
 @pytest.mark.parametrize("attention_type", ["vanilla", "rope"])
-def test_the_compiled_packed_step_through_sdpa_is_one_trace_for_every_bucket(pretraining_data, tmp_path, attention_type):
+def test_the_compiled_packed_step_through_sdpa_is_one_trace(pretraining_data, tmp_path, attention_type):
     """Packed training where the fused kernel does not run (`--no_fused_attention`; SDPA) compiles without graph
     breaks, its token count dynamic: one trace of the model serves every bucket. A break in the projection into
     the (B, T) grid (torch 2.11's dynamo could not take the truth of a bound method) specialized the token count
