@@ -347,16 +347,19 @@ def test_the_compiled_packed_step_through_sdpa_is_one_trace(pretraining_data, tm
 
 def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraining_data, tmp_path):
     """The package's file of compiled artifacts (`compile_cache`) is keyed by the model and the step: the same
-    for a model loaded from any checkpoint path, another for another width."""
+    for a model loaded from any checkpoint path, another for another width or attention implementation."""
     tokenizer, data = pretraining_data
     files = []
-    for name_or_path, width in (("", 32), ("/runs/a/pretrained", 32), ("/runs/b/pretrained", 32), ("", 64)):
+    cases = [("", 32, "sdpa"), ("/runs/a/pretrained", 32, "sdpa"), ("/runs/b/pretrained", 32, "sdpa")]
+    cases += [("", 64, "sdpa"), ("", 32, "eager")]  # another width; another attention implementation
+    for name_or_path, width, attention in cases:
         config = tiny_config("vanilla", vocab_size=len(tokenizer), block_size=BLOCK, n_embd=width, n_head=4)
         model = KnowGPTForCausalLM(config)
         model.config._name_or_path = name_or_path
+        model.set_attn_implementation(attention)
         trainer = make_trainer(tmp_path / str(len(files)), data, model, graphed=True)
         files.append(GraphedStepper(trainer, compile_model=True, bucket=64).artifacts)
-    assert files[0] == files[1] == files[2] and files[3] != files[0]
+    assert files[0] == files[1] == files[2] and len({files[0], files[3], files[4]}) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -250,7 +250,9 @@ class GraphedStepper:
             # the model as compiled: its config without where it was loaded from (one file for every checkpoint)
             described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
             self.artifacts = artifacts_file(
-                model=described, packed=self.packed, seq_len=self.seq_len, rows=self.rows,
+                model=described, attention=model.config._attn_implementation,
+                fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
+                packed=self.packed, seq_len=self.seq_len, rows=self.rows,
                 bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             )  # fmt: skip
