@@ -242,7 +242,6 @@ class GraphedStepper:
         self.token_indices = {}  # capacity -> device buffer
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
-        self.capture_seconds = 0.0
         self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
         # What an earlier process compiled for this model and these step shapes, back into the compiler's caches.
         self.artifacts = None
@@ -397,9 +396,12 @@ class GraphedStepper:
         self.graphs[capacity] = graph
         self._restore(snapshot)
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-        self.capture_seconds += seconds
-        self.captures.append({"tokens": capacity, "seconds": seconds})
+        self.captures.append({"tokens": capacity, "seconds": time.perf_counter() - started})
+
+    @property
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing graphs (their warm-up steps and the first one's compilation included)."""
+        return sum(capture["seconds"] for capture in self.captures)
 
     def run(self, first_step: int, count: int, should_stop) -> int:
         for global_step in range(first_step, first_step + count):
