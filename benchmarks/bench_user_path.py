@@ -12,7 +12,9 @@ On a GPU, in one run:
    --runs picks others: without --torch_compile (the fused kernels and CUDA graphs alone), cold and warm,
    with or without `--fused_layers`; compiled with one compile thread (no pool of compile workers to start
    and stop); compiled with empty compiler caches but the artifacts the package saved from an earlier
-   compiled run (`compiled-cold-saved-artifacts`: a new machine or container given ~/.cache/hf_knowgpt).
+   compiled run (`compiled-cold-saved-artifacts`: a new machine or container given ~/.cache/hf_knowgpt);
+   `--torch_compile auto`, cold and warm (`auto-cold` trains uncompiled while a background process compiles
+   for the next run, which waits for that process to end; the wait is recorded).
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -49,10 +51,20 @@ RUNS = (
     "uncompiled-warm",
     "uncompiled-cold-fused-layers",
     "uncompiled-warm-fused-layers",
+    "auto-cold",
+    "auto-warm",
 )
 DEFAULT_RUNS = ("compiled-cold", "compiled-warm", "compiled-warm-accelerate-launch")
 # The compiler's caches, and the package's copy of what a compiled run compiled (hf_knowgpt.training.compile_cache).
 CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
+
+
+def wait_for_background_compiles(folder: Path, timeout: float = 600.0) -> float:
+    """Seconds waited until no background compile (`--torch_compile auto`) holds a lock in `folder`."""
+    started = time.perf_counter()
+    while any(folder.glob("*.compiling")) and time.perf_counter() - started < timeout:
+        time.sleep(0.2)
+    return time.perf_counter() - started
 
 
 def accelerate_launch(mixed_precision: str) -> list[str]:
@@ -188,6 +200,8 @@ def main(argv=None):
             "uncompiled-warm": direct,
             "uncompiled-cold-fused-layers": [*direct, "--fused_layers"],
             "uncompiled-warm-fused-layers": [*direct, "--fused_layers"],
+            "auto-cold": [*direct, "--torch_compile", "auto"],
+            "auto-warm": [*direct, "--torch_compile", "auto"],
         }
         # a run named twice is kept twice: the second as "<run> (2)", and so on
         keys = [
@@ -197,6 +211,8 @@ def main(argv=None):
             output_dir = work / f"run-{len(results)}"
             command = [*commands[run], "--output_dir", output_dir]
             env = {name: str(work / name) for name in CACHES}  # one set of caches, emptied by a cold run
+            # `--torch_compile auto` may leave a process compiling for the next run: the next run waits for it
+            background_s = wait_for_background_compiles(Path(env["KNOWGPT_COMPILE_CACHE"]))
             if run.endswith("one-compile-thread"):
                 env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
             if "-cold" in run:  # saved artifacts: a fresh machine given what an earlier run compiled
@@ -213,6 +229,8 @@ def main(argv=None):
                 "process_s": seconds,
                 "accuracy": accuracy_line(output),
                 "breakdown_s": breakdown(clock["started"], clock["ended"], summary),
+                "pretrain_compiled": summary["stages"]["pretrain"].get("compiled"),
+                "waited_for_background_compile_s": background_s,
             }
             print(json.dumps(results[key]), flush=True)
         checkpoint = Path(results[keys[-1]]["output_dir"]) / "finetuned"

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -566,3 +567,45 @@ def test_cpu_training_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
     # by default every block is a fresh mapping (about 12,000 page faults each); kept, the heap is reused
     # (367,434 against 50,705 faults on the project's CPU)
     assert int(faults["reuse"]) * 4 < int(faults["default"])
+
+
+def test_auto_compiles_only_where_an_earlier_run_saved_its_artifacts(pretraining_data, tmp_path, monkeypatch):
+    """`compile="auto"`: uncompiled while the package holds no artifacts for the model and step, compiled once it
+    does (`GraphedStepper.artifacts`); several processes always compile (the background process is one)."""
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path / "compiled"))
+    tokenizer, data = pretraining_data
+    trainer = make_trainer(tmp_path / "run", data, fresh_model(len(tokenizer)), graphed=True)
+    first = GraphedStepper(trainer, compile_model="auto", bucket=64)
+    assert first.compiled is False and first.compiled_clip_and_rate is None and not first.artifacts.exists()
+    compiled = GraphedStepper(trainer, compile_model=True, bucket=64)
+    compiled._body(compiled._prepare_packed(0))
+    compiled.save_compiled()
+    assert compiled.artifacts == first.artifacts and first.artifacts.is_file()
+    again = GraphedStepper(trainer, compile_model="auto", bucket=64)
+    assert again.compiled is True and again.compiled_clip_and_rate is not None
+
+
+def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(pretraining_data, tmp_path, monkeypatch):
+    """`start_background_compile` hands the step to a process of its own: its trainer has the same model
+    configuration, arguments (compiled, one step) and data, so its step has the same artifacts file; the
+    process runs to the end (on a CPU the eager path: nothing to compile) and removes its lock and folder."""
+    from hf_knowgpt.training import background_compile
+
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path / "compiled"))
+    tokenizer, data = pretraining_data
+    trainer = make_trainer(tmp_path / "run", data, fresh_model(len(tokenizer)), graphed=True)
+    artifacts = GraphedStepper(trainer, bucket=64).artifacts
+    child = background_compile.start_background_compile(trainer, artifacts, "sdpa")
+    lock = artifacts.with_suffix(".compiling")
+    assert lock.read_text() == str(child.pid)
+    assert background_compile.start_background_compile(trainer, artifacts, "sdpa") is None  # one at a time
+    specification = Path(child.args[-2])
+    rebuilt = background_compile.trainer_from_specification(specification)
+    assert rebuilt.args.compile is True and rebuilt.args.stop_after_steps == 1
+    assert rebuilt.args.output_dir != trainer.args.output_dir
+    rebuilt.optimizer = torch.optim.AdamW(rebuilt.model.parameters(), lr=torch.tensor(1e-3))  # as train() makes it
+    assert GraphedStepper(rebuilt, bucket=64).artifacts == artifacts
+    assert child.wait(timeout=600) == 0, artifacts.with_suffix(".log").read_text()[-3000:]
+    assert not lock.exists() and not specification.parent.exists()
+    lock.write_text("999999999")  # a process that no longer runs: its lock is taken over
+    assert background_compile._claim(lock) and lock.read_text() == str(os.getpid())

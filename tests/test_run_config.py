@@ -177,6 +177,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--length_groups", "2"], {"S.length_groups": 2}),
     ("handout", ["--training_path", "plain"], {"S.training_path": "plain"}),
     ("handout", ["--torch_compile"], {"S.compile": True}),
+    ("handout", ["--torch_compile", "auto"], {"S.compile": "auto"}),
     ("handout", ["--mixed_precision", "bf16"], {"S.mixed_precision": "bf16"}),
     ("handout", ["--per_device_train_batch_size", "32"], {"S.per_device_train_batch_size": 32}),
     ("handout", ["--with_tracking"], {"S.report_to": "tensorboard"}),
@@ -258,6 +259,7 @@ def train_flag_cases():
     cases.append(("knowledge", ["--no_pretrain_shuffle"], {"pretrain.shuffle": False}))
     # finetuning's 80 steps would not repay a compilation: train.py compiles the pretraining stage
     cases.append(("handout", ["--torch_compile"], {"pretrain.compile": True}))
+    cases.append(("handout", ["--torch_compile", "auto"], {"pretrain.compile": "auto"}))
     for recipe, flags, expected in SINGLE_STAGE_FLAGS + PRETRAIN_ONLY_FLAGS:
         ((field, value),) = expected.items()
         if not field.startswith("S."):

@@ -33,6 +33,21 @@ class BooleanFlag(argparse.Action):
         return " | ".join(self.option_strings)
 
 
+class CompileFlag(BooleanFlag):
+    """`--torch_compile` sets True, `--torch_compile auto` sets "auto", `--no_torch_compile` sets False."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.nargs, self.metavar = "?", "auto"
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string.startswith("--no_") and values is not None:
+            parser.error(f"{option_string} takes no value, got {values!r}")
+        if values not in (None, "auto"):
+            parser.error(f"{option_string} takes no value or 'auto', got {values!r}")
+        setattr(namespace, self.dest, False if option_string.startswith("--no_") else values or True)
+
+
 def _value(group, name, dest, help, aliases=(), **kwargs):
     """A flag that sets the field `dest` (a qualified name) when given, and is absent otherwise. `aliases`
     are accepted too and named in the help text, not listed as flags of their own."""
@@ -203,8 +218,12 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
         compile_help = "compile the model inside the graphed step (faster steps; compilation is cached between runs)"
     else:  # finetuning's 80 steps would not repay a compilation
         compile_help = "compile the model for pretraining (faster steps; compilation is cached between runs)"
+    compile_help += (
+        "; 'auto': compile only where an earlier run saved what it compiled, else train uncompiled and compile "
+        "for the next run in the background"
+    )
     group.add_argument(
-        "--torch_compile", dest=f"{stage or 'pretrain'}.compile", action=BooleanFlag, help=compile_help
+        "--torch_compile", dest=f"{stage or 'pretrain'}.compile", action=CompileFlag, help=compile_help
     )  # fmt: skip
     _value(
         group, "--mixed_precision", dest=f"{section}.mixed_precision", choices=("no", "bf16", "fp16"),

@@ -34,7 +34,11 @@ class TrainingArguments:
     # dropout draws differ.
     length_groups: int | None = None
     training_path: str = "auto"  # graphed on one CUDA device, else eager; "plain" is the handouts' way
-    compile: bool = False  # torch.compile the model inside the graphed step
+    # torch.compile the model inside the graphed step. "auto": compile where an earlier run's compiled artifacts
+    # for this model and step are saved (hf_knowgpt.training.compile_cache); otherwise train uncompiled, which
+    # is faster than compiling from nothing, while a background process compiles for the next run
+    # (hf_knowgpt.training.background_compile). Several processes compile as with True.
+    compile: bool | str = False
     # "no", "bf16" or "fp16"; None: accelerate's configuration (`accelerate launch --mixed_precision`, else no)
     mixed_precision: str | None = None
     # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
@@ -69,6 +73,8 @@ class TrainingArguments:
             )
         if self.training_path not in TRAINING_PATHS:
             raise InputError("training_path", f"must be one of {list(TRAINING_PATHS)}, got {self.training_path!r}")
+        if self.compile not in (True, False, "auto"):
+            raise InputError("compile", f"must be True, False or 'auto', got {self.compile!r}")
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise InputError("mixed_precision", f"must be no, bf16 or fp16, got {self.mixed_precision!r}")
         every = self.checkpointing_steps

@@ -178,7 +178,9 @@ class GraphedStepper:
     # is bound by ~300 kernels of a few µs (1.91 against 2.06 ms per step on an H200; benchmarks/RESULTS.md).
     INDUCTOR_OPTIONS = {"combo_kernels": True}
 
-    def __init__(self, trainer, compile_model: bool = False, packed: bool | None = None, bucket: int | None = None):
+    def __init__(
+        self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
+    ):
         self.trainer = trainer
         args, accelerator = trainer.args, trainer.accelerator
         device = accelerator.device
@@ -187,6 +189,23 @@ class GraphedStepper:
         self.bucket = bucket or self.BUCKET
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
         options = self.INDUCTOR_OPTIONS if device.type == "cuda" else None
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.rows = -(-args.batch_size // self.world)  # this process's slice of a full batch, at most
+        self.seq_len = trainer.data.static_length
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+        # The package's file of what an earlier process compiled for this model and these step shapes.
+        described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # any checkpoint
+        self.artifacts = artifacts_file(
+            model=described, attention=model.config._attn_implementation,
+            fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
+            packed=self.packed, seq_len=self.seq_len, rows=self.rows,
+            bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        )  # fmt: skip
+        if compile_model == "auto":  # compile where an earlier run saved what it compiled (several processes: always)
+            compile_model = self.world > 1 or self.artifacts.is_file()
+        if compile_model:  # back into the compiler's caches, where these are empty
+            load_artifacts(self.artifacts)
         # Packed, only the token count varies (one graph for every bucket): its buffers are marked dynamic.
         # `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p, the
         # embeddings' norm_type), which inductor cannot keep, so dynamo traced and lowered everything twice:
@@ -208,7 +227,6 @@ class GraphedStepper:
             torch.compile(self._clip_and_rate, dynamic=False, options=options) if compile_model else None
         )
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
         self.learning_rates = torch.tensor(
             [args.learning_rate * m for m in trainer.lr_multipliers], device=device, dtype=torch.float32
         )
@@ -218,7 +236,6 @@ class GraphedStepper:
         self.step_counter = torch.zeros((), dtype=torch.long, device=device)
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count = 0
-        self.rank, self.world = accelerator.process_index, accelerator.num_processes
         if self.world > 1 and not self.packed:
             raise ValueError("the graphed path on several processes needs packed batches (packed=True)")
         self.parameter_sizes = [p.numel() for p in self.parameters]
@@ -229,9 +246,7 @@ class GraphedStepper:
         data = trainer.data
         self.num_examples = data.num_examples
         self.batch_size = args.batch_size
-        self.rows = -(-self.batch_size // self.world)  # this process's slice of a full batch, at most
         self.steps_per_epoch = trainer.steps_per_epoch
-        self.seq_len = data.static_length
         self.orders = None if self.packed else trainer.device_orders()  # (epochs, N) when shuffling
         # Inputs of packed graphs, written before each replay.
         self.generator = torch.Generator()
@@ -243,19 +258,6 @@ class GraphedStepper:
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
         self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
-        # What an earlier process compiled for this model and these step shapes, back into the compiler's caches.
-        self.artifacts = None
-        if compile_model:
-            # the model as compiled: its config without where it was loaded from (one file for every checkpoint)
-            described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}
-            self.artifacts = artifacts_file(
-                model=described, attention=model.config._attn_implementation,
-                fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
-                packed=self.packed, seq_len=self.seq_len, rows=self.rows,
-                bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            )  # fmt: skip
-            load_artifacts(self.artifacts)
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
     def _body(self, capacity=None):
@@ -420,7 +422,7 @@ class GraphedStepper:
 
     def save_compiled(self) -> None:
         """Keep what this run compiled for later processes (`compile_cache`); the first process only."""
-        if self.artifacts is not None and self.rank == 0:
+        if self.compiled and self.rank == 0:
             save_artifacts(self.artifacts)
 
 

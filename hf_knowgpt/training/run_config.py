@@ -54,6 +54,11 @@ DATA_FIELDS = (
 )
 TRAINING_FIELDS = tuple(f.name for f in fields(TrainingArguments) if f.name != "output_dir")
 STAGES = ("pretrain", "finetune")
+# How the configuration summary names each `compile` setting.
+_COMPILED = {
+    True: ", compiled",
+    "auto": ", compiled if saved before (else compiled in the background for the next run)",
+}
 SECTIONS = ("model", "data", "run", *STAGES)
 
 
@@ -134,7 +139,7 @@ class RunConfig:
                 f"  {stage:<9} {args.max_epochs} epoch{'s' * (args.max_epochs != 1)}{origin}, batch {args.batch_size}, lr {args.learning_rate:g}, "
                 f"final_tokens {args.final_tokens if args.final_tokens is not None else 'the run’s end'}, "
                 f"{'shuffled' if args.shuffle else 'file order'}, seed {args.seed}, path {args.training_path}"
-                f"{', compiled' if args.compile else ''} → {args.output_dir}"
+                f"{_COMPILED.get(args.compile, '')} → {args.output_dir}"
             )
         return "\n".join(lines)
 

@@ -208,6 +208,7 @@ class TrainingResult:
     epoch_seconds: list = field(default_factory=list)  # seconds from the start (or resumption) to each epoch end
     warmup_seconds: float = 0.0  # graph capture and its warm-up steps, inside train_seconds
     captures: list = field(default_factory=list)  # {"tokens", "seconds"} of each CUDA graph captured
+    compiled: bool = False  # whether the step ran compiled (with compile="auto": whether it was saved before)
 
 
 class KnowGPTTrainer:
@@ -448,6 +449,10 @@ class KnowGPTTrainer:
             accelerator.init_trackers(args.run_name, config={k: str(v) for k, v in asdict(args).items()})
         stepper = {"plain": PlainStepper, "eager": EagerStepper}.get(path)
         stepper = stepper(self) if stepper else GraphedStepper(self, compile_model=args.compile)
+        if args.compile == "auto" and isinstance(stepper, GraphedStepper) and not stepper.compiled:
+            from .background_compile import start_background_compile
+
+            start_background_compile(self, stepper.artifacts, attn_implementation)  # for the next run
 
         total_steps = len(self.steps_rows)
         progress = progress_bar(total_steps, start_step, disable=not accelerator.is_local_main_process)
@@ -507,6 +512,7 @@ class KnowGPTTrainer:
             epoch_seconds=[timeline.seconds(mark) for mark in epoch_marks],
             warmup_seconds=getattr(stepper, "capture_seconds", 0.0),
             captures=getattr(stepper, "captures", []),
+            compiled=getattr(stepper, "compiled", False),
         )
 
     def optimizer_step(self, batch: TrainingBatch, rank: int, world: int, packed: bool | None = None) -> torch.Tensor:

@@ -129,6 +129,7 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
         "train_seconds": result.train_seconds,
         "warmup_seconds": result.warmup_seconds,
         "captures": result.captures,
+        "compiled": result.compiled,
         "examples_per_second": result.examples_per_second,
         "epoch_seconds": result.epoch_seconds,
         "interrupted": result.interrupted,

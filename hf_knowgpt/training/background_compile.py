@@ -1,0 +1,90 @@
+"""Compile a training step for the next run, in a process of its own, while this run trains uncompiled.
+
+`--torch_compile auto` compiles only where an earlier run saved what it compiled for the same model and step
+(`compile_cache`): then the step loads from the caches in seconds. Elsewhere compiling from nothing costs more
+than it saves in one handout-sized run (about 30 s of compilation against about 12 s of faster steps on an
+H100), so the run trains uncompiled and `start_background_compile` hands the step to a detached process:
+the same model configuration, training arguments and data, trained for one step with `compile=True` into a
+temporary folder, which leaves the compiled artifacts in the package's file for the next run. It needs a
+free moment of the GPU for that step, and CPU cores for the compilation; its output goes to a log beside the
+artifacts. One process at a time per file: a lock file next to it, removed when the process ends.
+"""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _claim(lock: Path) -> bool:
+    """Create `lock` holding this process's id; False where a live process holds it (a dead one's is taken over)."""
+    try:
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(lock.read_text() or 0), 0)
+            return False  # its process still compiles
+        except (ValueError, ProcessLookupError, PermissionError, FileNotFoundError):
+            lock.unlink(missing_ok=True)  # left by a process that died (a reboot, a kill)
+            return _claim(lock)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(str(os.getpid()))
+    return True
+
+
+def start_background_compile(trainer, artifacts: Path, attn_implementation: str | None) -> subprocess.Popen | None:
+    """Start the process that compiles `trainer`'s step (its model on `attn_implementation` before the run chose
+    a kernel) and saves it to `artifacts`; None where one already runs for that file. The process outlives this
+    one if it must (a session of its own)."""
+    artifacts.parent.mkdir(parents=True, exist_ok=True)
+    lock = artifacts.with_suffix(".compiling")
+    if not _claim(lock):
+        return None
+    work = Path(tempfile.mkdtemp(prefix="knowgpt-background-compile-"))
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
+    specification = {
+        "config": unwrapped.config.to_dict(),
+        "attn_implementation": attn_implementation,
+        "args": dataclasses.replace(trainer.args, compile=True, stop_after_steps=1, output_dir=str(work / "run"),
+                                    report_to=None, checkpointing_steps=None, resume_from_checkpoint=None),
+        "data": trainer.data,
+    }  # fmt: skip
+    torch.save(specification, work / "specification.pt")
+    with open(artifacts.with_suffix(".log"), "w") as log:  # the child keeps its own handle
+        child = subprocess.Popen(
+            [sys.executable, "-m", "hf_knowgpt.training.background_compile", str(work / "specification.pt"), str(lock)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    lock.write_text(str(child.pid))  # the child's now: a later run sees whether it still compiles
+    return child
+
+
+def trainer_from_specification(path: Path):
+    """The trainer `start_background_compile` described: a fresh model of the same configuration (its weights do
+    not matter to what is compiled), the same arguments (compiled, one step) and the same data."""
+    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+
+    from .trainer import KnowGPTTrainer
+
+    specification = torch.load(path, weights_only=False)
+    model = KnowGPTForCausalLM(KnowGPTConfig.from_dict(specification["config"]))
+    model.set_attn_implementation(specification["attn_implementation"] or "sdpa")
+    return KnowGPTTrainer(model, specification["data"], specification["args"])
+
+
+def main(argv=None) -> None:
+    specification, lock = (Path(argument) for argument in (argv or sys.argv[1:]))
+    try:
+        trainer_from_specification(specification).train()  # one step, compiled; the stepper saves its artifacts
+    finally:
+        lock.unlink(missing_ok=True)
+        shutil.rmtree(specification.parent, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
