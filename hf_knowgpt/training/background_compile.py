@@ -55,10 +55,12 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
         "data": trainer.data,
     }  # fmt: skip
     torch.save(specification, work / "specification.pt")
+    # Inductor's compile workers on all but two cores: the run's own loop keeps one to feed the GPU.
+    environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) - 2))}
     with open(artifacts.with_suffix(".log"), "w") as log:  # the child keeps its own handle
         child = subprocess.Popen(
             [sys.executable, "-m", "hf_knowgpt.training.background_compile", str(work / "specification.pt"), str(lock)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=environment,
         )  # fmt: skip
     lock.write_text(str(child.pid))  # the child's now: a later run sees whether it still compiles
     return child
@@ -79,6 +81,7 @@ def trainer_from_specification(path: Path):
 
 def main(argv=None) -> None:
     specification, lock = (Path(argument) for argument in (argv or sys.argv[1:]))
+    os.nice(10)  # the run that started this one comes first on the CPU
     try:
         trainer_from_specification(specification).train()  # one step, compiled; the stepper saves its artifacts
     finally:
