@@ -569,6 +569,12 @@ def test_cpu_training_reuses_freed_memory_instead_of_faulting_in_fresh_pages():
     assert int(faults["reuse"]) * 4 < int(faults["default"])
 
 
+def test_compile_is_true_false_or_auto():
+    assert TrainingArguments(output_dir="o", compile="auto").compile == "auto"
+    with pytest.raises(ValueError, match="compile: must be True, False or 'auto', got 'sometimes'"):
+        TrainingArguments(output_dir="o", compile="sometimes")
+
+
 def test_auto_compiles_only_where_an_earlier_run_saved_its_artifacts(pretraining_data, tmp_path, monkeypatch):
     """`compile="auto"`: uncompiled while the package holds no artifacts for the model and step, compiled once it
     does (`GraphedStepper.artifacts`); several processes always compile (the background process is one)."""

@@ -289,3 +289,13 @@ def test_a_script_ends_at_once_after_what_a_normal_exit_would_finish(tmp_path):
         assert (out / "thread").read_text() == "done"
     assert_one_line_error(run(program, "user-error", tmp_path / "user-error"), "input.txt", "is unreadable")
     assert run(program, "exit-message", tmp_path / "exit-message").stderr.strip() == "stopped"
+
+
+def test_torch_compile_takes_auto_or_nothing(corpus, tmp_path):
+    """`--torch_compile` takes no value or `auto`; `--no_torch_compile` none; a misspelt value is refused at once."""
+    for flag, value, message in (("--torch_compile", "sometimes", "takes no value or 'auto'"),
+                                 ("--no_torch_compile", "auto", "takes no value")):  # fmt: skip
+        result = run(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", tmp_path / "o",
+                     flag, value)  # fmt: skip
+        assert result.returncode == 2 and f"{flag} {message}" in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr and not (tmp_path / "o").exists()
