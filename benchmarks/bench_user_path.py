@@ -276,6 +276,10 @@ def main(argv=None):
     for label in dict.fromkeys(label for run in keys for label, _ in results[run]["breakdown_s"]):
         print(f"{label:<70}" + "".join(f"{column.get(label, 0.0):>8.1f}" for column in columns))
     print(f"{'whole process':<70}" + "".join(f"{results[run]['process_s']:>8.1f}" for run in keys))
+    compiled = "".join(f"{'yes' if results[run]['pretrain_compiled'] else 'no':>8}" for run in keys)
+    print(f"{'pretraining step compiled':<70}" + compiled)
+    waited = "".join(f"{results[run]['waited_for_background_compile_s']:>8.1f}" for run in keys)
+    print(f"{'(before the run) waited for a background compile, s':<70}" + waited)
     return results
 
 
