@@ -47,7 +47,9 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
         return None
     work = Path(tempfile.mkdtemp(prefix="knowgpt-background-compile-"))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
-    specification = {
+    specification = {  # the classes go by reference: the child imports them from where they are defined
+        "trainer_class": type(trainer),
+        "model_class": type(unwrapped),
         "config": unwrapped.config.to_dict(),
         "attn_implementation": attn_implementation,
         "args": dataclasses.replace(trainer.args, compile=True, stop_after_steps=1, output_dir=str(work / "run"),
@@ -69,14 +71,11 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
 def trainer_from_specification(path: Path):
     """The trainer `start_background_compile` described: a fresh model of the same configuration (its weights do
     not matter to what is compiled), the same arguments (compiled, one step) and the same data."""
-    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
-
-    from .trainer import KnowGPTTrainer
-
     specification = torch.load(path, weights_only=False)
-    model = KnowGPTForCausalLM(KnowGPTConfig.from_dict(specification["config"]))
+    model_class = specification["model_class"]
+    model = model_class(model_class.config_class.from_dict(specification["config"]))
     model.set_attn_implementation(specification["attn_implementation"] or "sdpa")
-    return KnowGPTTrainer(model, specification["data"], specification["args"])
+    return specification["trainer_class"](model, specification["data"], specification["args"])
 
 
 def main(argv=None) -> None:
