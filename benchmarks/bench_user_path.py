@@ -5,16 +5,16 @@
     python benchmarks/bench_user_path.py --startup_only                            # start-up figures (any machine)
 
 On a GPU, in one run:
-1. `python scripts/train.py --recipe handout --attention_type vanilla --data_dir DATA --mixed_precision bf16
-   --torch_compile` twice: cold (empty TorchInductor, Triton and package caches, as on a fresh machine) and warm
-   (the same caches, a second run on the same machine); then the same run under `accelerate launch
-   --mixed_precision bf16` (warm), whose launcher is a process of its own. Command → printed dev accuracy.
-   --runs picks others: without --torch_compile (the fused kernels and CUDA graphs alone), cold and warm,
-   with or without `--fused_layers`; compiled with one compile thread (no pool of compile workers to start
-   and stop); compiled with empty compiler caches but the artifacts the package saved from an earlier
-   compiled run (`compiled-cold-saved-artifacts`: a new machine or container given ~/.cache/hf_knowgpt);
-   `--torch_compile auto`, cold and warm (`auto-cold` trains uncompiled while a background process compiles
-   for the next run, which waits for that process to end; the wait is recorded).
+1. The README's `python scripts/train.py --recipe handout --attention_type vanilla --data_dir DATA
+   --mixed_precision bf16 --torch_compile auto`, cold (empty TorchInductor, Triton and package caches, as on a
+   fresh machine: it trains uncompiled while a background process compiles for the next run, which waits for
+   that process to end; the wait is recorded) and warm (the caches the run before left), beside the same
+   command not compiled (cold) and with `--torch_compile` (cold and warm). Command → printed dev accuracy.
+   --runs picks others: not compiled and warm, with or without `--fused_layers`; compiled with one compile
+   thread (no pool of compile workers to start and stop); compiled with empty compiler caches but the
+   artifacts the package saved from an earlier compiled run (`compiled-cold-saved-artifacts`: a new machine
+   or container given ~/.cache/hf_knowgpt); compiled under `accelerate launch --mixed_precision bf16`
+   (warm), whose launcher is a process of its own.
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -54,7 +54,7 @@ RUNS = (
     "auto-cold",
     "auto-warm",
 )
-DEFAULT_RUNS = ("compiled-cold", "compiled-warm", "compiled-warm-accelerate-launch")
+DEFAULT_RUNS = ("uncompiled-cold", "auto-cold", "auto-warm", "compiled-cold", "compiled-warm")
 # The compiler's caches, and the package's copy of what a compiled run compiled (hf_knowgpt.training.compile_cache).
 CACHES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
 
