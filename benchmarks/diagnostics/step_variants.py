@@ -17,11 +17,11 @@ one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correctio
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); inductor options added to
-the graphed step's (`GraphedStepper.INDUCTOR_OPTIONS`: `force-shape-pad` pads every matrix product whose sizes
-are not multiples of 8, the vocabulary's 257 logits, which inductor pads only where it judges the product
-compute-bound; inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels
-from the cache fails, `results/h100_step_variants_pad_bucket.log`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
-`GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
+the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix
+products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such as the
+vocabulary's 257 logits; inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads
+its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`); parts of the compiled step
+left uncompiled: its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
 
@@ -51,7 +51,7 @@ VARIANTS = {
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
-    "force-shape-pad": {"inductor": {"force_shape_pad": True}},
+    "no-shape-pad": {"inductor": {"force_shape_pad": False}},
     "no-memory-reuse": {"memory_reuse": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},

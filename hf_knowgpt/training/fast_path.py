@@ -176,7 +176,10 @@ class GraphedStepper:
     BUCKET = 256
     # combo_kernels launches independent small kernels (weight casts, bias-gradient sums) as one: the step
     # is bound by ~300 kernels of a few µs (1.91 against 2.06 ms per step on an H200; benchmarks/RESULTS.md).
-    INDUCTOR_OPTIONS = {"combo_kernels": True}
+    # force_shape_pad pads every matrix product to multiples of 8, the vocabulary's 257 logits too, which inductor
+    # otherwise leaves to a slow unaligned kernel (28 µs a step): 0.55 s less of the handout recipe's steps on an
+    # H100, 6 runs of 6 (benchmarks/RESULTS.md).
+    INDUCTOR_OPTIONS = {"combo_kernels": True, "force_shape_pad": True}
 
     def __init__(
         self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
