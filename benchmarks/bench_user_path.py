@@ -125,8 +125,7 @@ def handout_loop(data: Path, attention_type: str, work: Path, epochs: tuple[int,
         command += ["--pretrain_epochs", epochs[0], "--finetune_epochs", epochs[1], "--questions", epochs[2]]
     seconds, output = timed(command, work / "handout-loop.log")
     measured = json.loads(output.strip().split("\n")[-1])
-    later_pretrain = measured["pretrain_epoch_s"][1:] or measured["pretrain_epoch_s"]
-    later_finetune = measured["finetune_epoch_s"][1:] or measured["finetune_epoch_s"]
+    later_pretrain, later_finetune = measured["pretrain_epoch_s"][1:], measured["finetune_epoch_s"][1:]
     remaining = (
         (650 - len(measured["pretrain_epoch_s"])) * sum(later_pretrain) / len(later_pretrain)
         + (10 - len(measured["finetune_epoch_s"])) * sum(later_finetune) / len(later_finetune)
@@ -176,11 +175,21 @@ def main(argv=None):
     parser.add_argument("--output", default=None, help="write every measurement as JSON here")
     args = parser.parse_args(argv)
 
-    results = {"startup": startup_times()}
-    print(json.dumps(results["startup"]), flush=True)
     runs = args.runs.split(",")
     if unknown := set(runs) - set(RUNS):
         parser.error(f"unknown --runs {sorted(unknown)}; choose from {', '.join(RUNS)}")
+    epochs = None
+    if args.handout_epochs != "all":
+        try:
+            epochs = tuple(int(n) for n in args.handout_epochs.split(","))
+        except ValueError:
+            epochs = ()
+        # the first epoch of each stage holds the loader's and CUDA's warm-up, so rates come from the later ones
+        if len(epochs) != 3 or epochs[0] < 2 or epochs[1] < 2 or epochs[2] < 1:
+            parser.error(f"--handout_epochs takes 'all' or P,F,Q with P, F ≥ 2 and Q ≥ 1, got {args.handout_epochs!r}")
+
+    results = {"startup": startup_times()}
+    print(json.dumps(results["startup"]), flush=True)
     if not args.startup_only:
         import torch
 
@@ -240,7 +249,6 @@ def main(argv=None):
             work / "evaluate.log",
         )  # fmt: skip
         results["evaluate"] = {"process_s": seconds, "accuracy": accuracy_line(output)}
-        epochs = None if args.handout_epochs == "all" else tuple(int(n) for n in args.handout_epochs.split(","))
         results["handout_loop"] = handout_loop(data, args.attention_type, work, epochs)
         print(json.dumps(results["handout_loop"]), flush=True)
     if args.output:

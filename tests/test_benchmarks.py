@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import REPO_ROOT, write_cs224n_named_synthetic
 from cs224n_reference import GPT, Config
@@ -68,3 +69,12 @@ def test_the_timeline_accounts_for_every_second_of_a_train_run(tmp_path):
 
 def test_phases_run_from_the_launch_to_the_exit():
     assert phase_seconds(10.0, [("a", 11.0), ("b", 14.0)], 15.5) == [("a", 1.0), ("b", 3.0), ("exit", 1.5)]
+
+
+def test_the_handout_loop_is_timed_over_at_least_two_epochs_of_each_stage(capsys):
+    """Rates come from the epochs after the first (which holds the loader's and CUDA's warm-up): one epoch of a
+    stage leaves no rate, and used to make the recipe's figure from the warm-up epoch."""
+    for value in ("1,2,5", "2,1,5", "2,2,0", "2,2", "two"):
+        with pytest.raises(SystemExit):
+            bench_user_path.main(["--startup_only", "--handout_epochs", value])
+        assert "--handout_epochs takes 'all' or P,F,Q" in capsys.readouterr().err
