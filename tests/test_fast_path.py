@@ -1,6 +1,7 @@
 """The fast paths compute the same function as the plain (handout-style) path."""
 
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -591,7 +592,9 @@ def test_auto_compiles_only_where_an_earlier_run_saved_its_artifacts(pretraining
     assert again.compiled is True and again.compiled_clip_and_rate is not None
 
 
-def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(pretraining_data, tmp_path, monkeypatch):
+def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(
+    pretraining_data, tmp_path, monkeypatch, caplog
+):
     """`start_background_compile` hands the step to a process of its own: its trainer has the same model
     configuration, arguments (compiled, one step) and data, so its step has the same artifacts file; the
     process runs to the end (on a CPU the eager path: nothing to compile) and removes its lock and folder."""
@@ -613,5 +616,10 @@ def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(pre
     assert GraphedStepper(rebuilt, bucket=64).artifacts == artifacts
     assert child.wait(timeout=600) == 0, artifacts.with_suffix(".log").read_text()[-3000:]
     assert not lock.exists() and not specification.parent.exists()
+    # on a CPU nothing was saved: the next attempt says the last one did not save the step, and where its log is
+    with caplog.at_level(logging.WARNING, logger="hf_knowgpt.training.background_compile"):
+        retry = background_compile.start_background_compile(trainer, artifacts, "sdpa")
+    assert f"did not save {artifacts} (its log: {artifacts.with_suffix('.log')})" in caplog.text
+    assert retry.wait(timeout=600) == 0
     lock.write_text("999999999")  # a process that no longer runs: its lock is taken over
     assert background_compile._claim(lock) and lock.read_text() == str(os.getpid())

@@ -11,6 +11,7 @@ artifacts. One process at a time per file: a lock file next to it, removed when 
 """
 
 import dataclasses
+import logging
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def _claim(lock: Path) -> bool:
@@ -45,6 +48,11 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
     lock = artifacts.with_suffix(".compiling")
     if not _claim(lock):
         return None
+    log_path = artifacts.with_suffix(".log")
+    if log_path.is_file():  # no process holds the lock, yet the step was not saved: the last attempt failed
+        logger.warning(
+            "an earlier background compile did not save %s (its log: %s); trying again", artifacts, log_path
+        )
     work = Path(tempfile.mkdtemp(prefix="knowgpt-background-compile-"))
     unwrapped = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)
     specification = {  # the classes go by reference: the child imports them from where they are defined
@@ -59,7 +67,7 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
     torch.save(specification, work / "specification.pt")
     # Inductor's compile workers on all but two cores: the run's own loop keeps one to feed the GPU.
     environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) - 2))}
-    with open(artifacts.with_suffix(".log"), "w") as log:  # the child keeps its own handle
+    with open(log_path, "w") as log:  # the child keeps its own handle
         child = subprocess.Popen(
             [sys.executable, "-m", "hf_knowgpt.training.background_compile", str(work / "specification.pt"), str(lock)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=environment,

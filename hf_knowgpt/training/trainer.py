@@ -452,7 +452,14 @@ class KnowGPTTrainer:
         if args.compile == "auto" and isinstance(stepper, GraphedStepper) and not stepper.compiled:
             from .background_compile import start_background_compile
 
-            start_background_compile(self, stepper.artifacts, attn_implementation)  # for the next run
+            started = start_background_compile(self, stepper.artifacts, attn_implementation)  # for the next run
+            log = stepper.artifacts.with_suffix(".log")
+            where = (
+                f"compiling it for the next run in the background (log: {log})"
+                if started
+                else "another process compiles it"
+            )
+            accelerator.print(f"Training uncompiled: no compiled step is saved for this model yet; {where}")
 
         total_steps = len(self.steps_rows)
         progress = progress_bar(total_steps, start_step, disable=not accelerator.is_local_main_process)
