@@ -24,6 +24,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def log_file(artifacts: Path) -> Path:
+    """Where the process compiling for `artifacts` writes its output (kept after it ends)."""
+    return artifacts.with_suffix(".log")
+
+
 def _claim(lock: Path) -> bool:
     """Create `lock` holding this process's id; False where a live process holds it (a dead one's is taken over)."""
     try:
@@ -48,7 +53,7 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
     lock = artifacts.with_suffix(".compiling")
     if not _claim(lock):
         return None
-    log_path = artifacts.with_suffix(".log")
+    log_path = log_file(artifacts)
     if log_path.is_file():  # no process holds the lock, yet the step was not saved: the last attempt failed
         logger.warning(
             "an earlier background compile did not save %s (its log: %s); trying again", artifacts, log_path

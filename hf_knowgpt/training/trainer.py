@@ -450,10 +450,10 @@ class KnowGPTTrainer:
         stepper = {"plain": PlainStepper, "eager": EagerStepper}.get(path)
         stepper = stepper(self) if stepper else GraphedStepper(self, compile_model=args.compile)
         if args.compile == "auto" and isinstance(stepper, GraphedStepper) and not stepper.compiled:
-            from .background_compile import start_background_compile
+            from .background_compile import log_file, start_background_compile
 
             started = start_background_compile(self, stepper.artifacts, attn_implementation)  # for the next run
-            log = stepper.artifacts.with_suffix(".log")
+            log = log_file(stepper.artifacts)
             where = (
                 f"compiling it for the next run in the background (log: {log})"
                 if started
