@@ -19,7 +19,10 @@ recomputed by every backward program (`correction-kernel`, `correction-inline`,
 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); inductor options added to
 the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix
 products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such as the
-vocabulary's 257 logits; inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads
+vocabulary's 257 logits; `pdl` launches each inductor kernel while the one before it ends (programmatic
+dependent launch, Hopper and later); `cooperative-reductions` does a split reduction in one kernel with a
+grid-wide barrier, `no-split-reductions` in one kernel without splitting it; inductor's `triton.multi_kernel`
+is not offered: on torch 2.11 a run that loads
 its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`); parts of the compiled step
 left uncompiled: its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse
@@ -52,6 +55,9 @@ VARIANTS = {
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
     "no-shape-pad": {"inductor": {"force_shape_pad": False}},
+    "pdl": {"inductor": {"triton.enable_pdl": True}},
+    "cooperative-reductions": {"inductor": {"triton.cooperative_reductions": True}},
+    "no-split-reductions": {"inductor": {"split_reductions": False}},
     "no-memory-reuse": {"memory_reuse": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
