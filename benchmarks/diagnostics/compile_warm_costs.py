@@ -5,7 +5,10 @@ fresh processes over the same TorchInductor and Triton caches (cold, then warm).
 exit, dynamo's per-phase compile times, its graph and recompilation counts and the caches' hits, then
 the table of both runs is printed last:
 
-    python benchmarks/diagnostics/compile_warm_costs.py --data_dir .data [--epochs 20]
+    python benchmarks/diagnostics/compile_warm_costs.py --data_dir .data [--epochs 20] [--profile warm.prof]
+
+With --profile the warm run runs under cProfile (which slows dynamo's tracing, so its seconds are not the
+run's), its statistics are written there and the functions taking most of the warm-up are printed.
 """
 
 import argparse
@@ -22,8 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.bench_user_path import CACHES  # noqa: E402
 
 REPORT = r"""
-import atexit, json, os, runpy, sys
+import atexit, cProfile, json, os, runpy, sys
+profiler = cProfile.Profile() if os.environ.get("PROFILE_OUT") else None
 def report():
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(os.environ["PROFILE_OUT"])
     import torch._dynamo.utils as utils
     from torch._dynamo.utils import counters
     phases = {}
@@ -38,6 +45,8 @@ def report():
         json.dump(out, f, default=str)
 atexit.register(report)
 sys.argv = sys.argv[1:]
+if profiler is not None:
+    profiler.enable()
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -47,6 +56,7 @@ def main():
     parser.add_argument("--data_dir", required=True)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--output", default=None, help="JSON of both runs")
+    parser.add_argument("--profile", default=None, help="run the warm run under cProfile; its statistics go here")
     args = parser.parse_args()
     caches = tempfile.mkdtemp(prefix="compile-caches-")
     env = dict(os.environ, **{name: f"{caches}/{name}" for name in CACHES})  # shared by both runs
@@ -58,7 +68,10 @@ def main():
                    "--pretrain_max_epochs", str(args.epochs), "--no_do_finetune", "--overwrite_output_dir",
                    "--output_dir", f"{caches}/run-{name}"]  # fmt: skip
         started = time.perf_counter()
-        result = subprocess.run(command, env=dict(env, COMPILE_REPORT=str(report)), capture_output=True, text=True)
+        profiled = {"PROFILE_OUT": str(Path(args.profile).resolve())} if args.profile and name == "warm" else {}
+        result = subprocess.run(
+            command, env=dict(env, COMPILE_REPORT=str(report), **profiled), capture_output=True, text=True
+        )
         seconds = time.perf_counter() - started
         print(result.stdout[-1500:], result.stderr[-1500:], sep="\n", flush=True)
         results = json.loads((Path(caches) / f"run-{name}" / "results.json").read_text())
@@ -75,6 +88,17 @@ def main():
         print(run["compile_times"][:3000])
         for group, values in run["counters"].items():
             print(f"  {group}: {values}")
+    if args.profile:
+        print_profile(args.profile)
+
+
+def print_profile(path: str, functions: int = 45) -> None:
+    """The functions with the most cumulative time, then who calls the package's capture and what it calls."""
+    import pstats
+
+    stats = pstats.Stats(path)
+    stats.sort_stats("cumulative").print_stats(functions)
+    stats.print_callees("capture|load_artifacts|_prepare_packed")
 
 
 if __name__ == "__main__":

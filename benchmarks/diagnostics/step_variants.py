@@ -16,7 +16,8 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
-instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); inductor options added to
+instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before
+every graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor options added to
 the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix
 products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such as the
 vocabulary's 257 logits; `pdl` launches each inductor kernel while the one before it ends (programmatic
@@ -51,6 +52,7 @@ VARIANTS = {
     "correction-kernel": {"precomputed_correction": True},
     "correction-inline": {"precomputed_correction": False},
     "bucket512": {"bucket": 512},
+    "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
@@ -79,6 +81,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
     )
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
+    GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):

@@ -169,7 +169,10 @@ class GraphedStepper:
     plan, so all capture and replay the same graphs in the same order and their collectives match.
     """
 
+    # Steps run before capturing a graph: the first graph's compile the step, create the optimizer's state and
+    # settle the allocator; a later graph (another token count) finds all that done and only meets its shapes.
     WARMUP_STEPS = 3
+    LATER_WARMUP_STEPS = 1
     # Real tokens of a packed step rounded up to a multiple of this: each multiple met gets its own graph (12
     # over the handout recipe's 14950 steps, 7 with 512), and the rounding adds 1.7% of a step's 7515 real
     # tokens on average (3.4% with 512).
@@ -386,7 +389,7 @@ class GraphedStepper:
         side_stream = torch.cuda.Stream()
         side_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side_stream):
-            for _ in range(self.WARMUP_STEPS):
+            for _ in range(self.LATER_WARMUP_STEPS if self.graphs else self.WARMUP_STEPS):
                 self.optimizer.zero_grad(set_to_none=True)
                 self._body(capacity)
         torch.cuda.current_stream().wait_stream(side_stream)
