@@ -183,6 +183,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--with_tracking"], {"S.report_to": "tensorboard"}),
     ("handout", ["--report_to", "all"], {"S.report_to": "tensorboard"}),
     ("handout", ["--no_fused_attention"], {"S.fused_attention": False}),
+    ("handout", ["--gradient_reduce_dtype", "bf16"], {"S.gradient_reduce_dtype": "bf16"}),
     ("handout", ["--logging_steps", "7"], {"S.log_every": 7}),
     ("handout", ["--log_every", "7"], {"S.log_every": 7}),
     ("handout", ["--report_to", "tensorboard"], {"S.report_to": "tensorboard"}),

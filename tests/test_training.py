@@ -284,6 +284,24 @@ def test_repeated_documents_and_questions_fill_the_epoch(corpus, tmp_path):
     assert "each 3 times per epoch" in card and "each 2 times per epoch" in card
 
 
+def test_the_card_says_when_several_processes_summed_their_gradients_in_bf16(corpus, tmp_path):
+    from hf_knowgpt.utils.model_card import read_card_facts, render_model_card
+
+    workflows.pretrain(tmp_path / "run", pretrain_corpus_path=corpus.corpus, **TINY_OVERRIDES, max_epochs=1,
+                       batch_size=16)  # fmt: skip
+    facts = read_card_facts(tmp_path / "run")
+    assert facts["gradient_reduce_dtype"] == "fp32"
+
+    def processes_line(facts):
+        return next(line for line in str(render_model_card(facts)).splitlines() if line.startswith("| precision"))
+
+    assert processes_line(facts).endswith(" / 1 |")
+    assert processes_line({**facts, "num_processes": 2}).endswith(" / 2 |")
+    assert processes_line({**facts, "num_processes": 2, "gradient_reduce_dtype": "bf16"}).endswith(
+        " / 2, gradients summed in bf16 |"
+    )
+
+
 def test_augmented_mixed_training_runs_and_is_described(corpus, tmp_path):
     """Knowledge augmentation by variation: documents as one of K versions, a share as plain text, questions
     in several phrasings; the epoch holds each document and question once, the card says what was read."""

@@ -86,6 +86,17 @@ def test_a_user_error_is_reported_once_under_accelerate_launch(tmp_path):
     assert sum(line.startswith("error: ") for line in two.stderr.splitlines()) == 1, two.stderr[-3000:]
 
 
+def test_bf16_gradient_sums_are_refused_on_cpu_processes_before_anything_is_written(corpus, tmp_path):
+    """torch's bf16 hook for DDP runs with NCCL only: two CPU processes (gloo) are told so, and write nothing."""
+    result = run(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", tmp_path / "out",
+                 "--max_epochs", 1, *TINY, "--gradient_reduce_dtype", "bf16",
+                 launcher=[*LAUNCH, "--multi_gpu", "--num_processes", "2"])  # fmt: skip
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "gradient_reduce_dtype" in lines[0] and "NCCL" in lines[0], result.stderr[-3000:]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_a_line_without_a_tab_is_named(corpus, tmp_path):
     bad = tmp_path / "train.tsv"
     lines = corpus.train.read_text(encoding="utf-8").split("\n")

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from ..options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, TRAINING_PATHS
+from ..options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, GRADIENT_REDUCE_DTYPES, TRAINING_PATHS
 from ..training.recipes import RECIPES
 from ..training.run_config import SECTIONS
 
@@ -228,6 +228,10 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
     _value(
         group, "--mixed_precision", dest=f"{section}.mixed_precision", choices=("no", "bf16", "fp16"),
         help="precision (default: accelerate's configuration, e.g. accelerate launch --mixed_precision bf16)",
+    )  # fmt: skip
+    _value(
+        group, "--gradient_reduce_dtype", dest=f"{section}.gradient_reduce_dtype", choices=GRADIENT_REDUCE_DTYPES,
+        help="several processes: sum the gradients in fp32 (default) or bf16 (half the traffic; on GPUs)",
     )  # fmt: skip
     group.add_argument(
         "--fused_attention", dest=f"{section}.fused_attention", action=BooleanFlag,

@@ -47,6 +47,9 @@ class TrainingArguments:
     # On a CUDA fast path without --torch_compile, each block's dropout + residual + ln2 runs as one fused Triton
     # kernel (KnowGPTModel.fused_layers, hf_knowgpt.kernels.fused_layers), when Triton is installed.
     fused_layers: bool = False
+    # With several processes, the dtype the processes' gradients are summed in: "fp32", or "bf16", which halves
+    # what the all-reduce moves (each gradient rounded to bf16 before the sum). One process sums nothing.
+    gradient_reduce_dtype: str = "fp32"
     # Stop after this many optimizer steps of the max_epochs schedule (the learning rates stay those of the
     # whole run): the first part of a long run, for studies of early training. None: run to the end.
     stop_after_steps: int | None = None
@@ -60,7 +63,7 @@ class TrainingArguments:
 
     def __post_init__(self):
         """Values that would otherwise fail deep inside a run, refused at once with the field named."""
-        from ..options import TRAINING_PATHS
+        from ..options import GRADIENT_REDUCE_DTYPES, TRAINING_PATHS
         from ..utils.errors import InputError
 
         for name in ("max_epochs", "batch_size", "log_every", "save_total_limit"):
@@ -77,6 +80,11 @@ class TrainingArguments:
             raise InputError("compile", f"must be True, False or 'auto', got {self.compile!r}")
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise InputError("mixed_precision", f"must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.gradient_reduce_dtype not in GRADIENT_REDUCE_DTYPES:
+            raise InputError(
+                "gradient_reduce_dtype",
+                f"must be one of {list(GRADIENT_REDUCE_DTYPES)}, got {self.gradient_reduce_dtype!r}",
+            )
         every = self.checkpointing_steps
         if every is not None and not (
             str(every) == "epoch"

@@ -245,6 +245,7 @@ class GraphedStepper:
         if self.world > 1 and not self.packed:
             raise ValueError("the graphed path on several processes needs packed batches (packed=True)")
         self.parameter_sizes = [p.numel() for p in self.parameters]
+        self.gradient_reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.gradient_reduce_dtype]
         if self.world > 1:  # every process starts from the first one's parameters, as DDP's construction ensures
             with torch.no_grad():
                 for parameter in self.parameters:
@@ -317,10 +318,14 @@ class GraphedStepper:
 
     def _sum_gradients_over_processes(self):
         """One all-reduce for all gradients: flattened into one buffer and copied back (two kernels), where
-        one collective per parameter would cost a launch and a rendezvous each."""
+        one collective per parameter would cost a launch and a rendezvous each. Summed in bf16
+        (`gradient_reduce_dtype`), the buffer is cast before the sum and back after it (two more kernels)."""
         gradients = [p.grad for p in self.parameters]
         flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
-        torch.distributed.all_reduce(flat)
+        summed = flat.to(self.gradient_reduce_dtype)  # fp32: the buffer itself
+        torch.distributed.all_reduce(summed)
+        if summed is not flat:
+            flat.copy_(summed)
         parts = [part.view_as(gradient) for part, gradient in zip(flat.split(self.parameter_sizes), gradients)]
         torch._foreach_copy_(gradients, parts)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import set_seed
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
 
 from ..utils.checkpoints import (
     ACCELERATE_STATE,
@@ -64,6 +64,8 @@ def make_accelerator(args: TrainingArguments, cpu: bool | None = None) -> Accele
         kwargs["mixed_precision"] = args.mixed_precision
     if args.report_to:
         kwargs.update(log_with=args.report_to, project_dir=str(tracking_dir(args)))
+    if args.gradient_reduce_dtype == "bf16":  # the eager path's DDP; the graphed path casts its own all-reduce
+        kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16)]
     return Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True), **kwargs)
 
 
@@ -395,6 +397,16 @@ class KnowGPTTrainer:
         # Each process its own dropout draws (seed + process index): with one seed, the processes' slices of a
         # batch would share their masks. One process: the seed itself.
         set_seed(args.seed, device_specific=True)
+        if (
+            args.gradient_reduce_dtype == "bf16"
+            and accelerator.num_processes > 1
+            and accelerator.device.type != "cuda"
+        ):
+            raise InputError(
+                "gradient_reduce_dtype",
+                "bf16 sums need GPUs: torch's bf16 hook for DDP runs with NCCL only, not on CPU processes (gloo)",
+                "leave --gradient_reduce_dtype at fp32 on CPUs",
+            )
         self._prepare_output_dir()
         accelerator.wait_for_everyone()
         device = accelerator.device
