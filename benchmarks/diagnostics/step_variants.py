@@ -22,7 +22,9 @@ the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-sh
 products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such as the
 vocabulary's 257 logits; `pdl` launches each inductor kernel while the one before it ends (programmatic
 dependent launch, Hopper and later); `cooperative-reductions` does a split reduction in one kernel with a
-grid-wide barrier, `no-split-reductions` in one kernel without splitting it; inductor's `triton.multi_kernel`
+grid-wide barrier, `no-split-reductions` in one kernel without splitting it; `caching-precompile` keeps
+dynamo's traced bytecode and guards with the saved artifacts, so that a warm run need not trace again
+(torch's experimental `torch._dynamo.config.caching_precompile`, which drops identity guards); inductor's `triton.multi_kernel`
 is not offered: on torch 2.11 a run that loads
 its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`); parts of the compiled step
 left uncompiled: its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
@@ -60,6 +62,7 @@ VARIANTS = {
     "pdl": {"inductor": {"triton.enable_pdl": True}},
     "cooperative-reductions": {"inductor": {"triton.cooperative_reductions": True}},
     "no-split-reductions": {"inductor": {"split_reductions": False}},
+    "caching-precompile": {"dynamo": {"caching_precompile": True}},
     "no-memory-reuse": {"memory_reuse": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
@@ -74,6 +77,11 @@ def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt.training.fast_path import GraphedStepper
 
     settings = VARIANTS[variant]
+    if settings.get("dynamo"):
+        import torch._dynamo
+
+        for name, value in settings["dynamo"].items():
+            setattr(torch._dynamo.config, name, value)
     fused_attention.DEFAULT_SPLITS = settings.get("splits", fused_attention.DEFAULT_SPLITS)
     fused_attention.UNIFORMS_PER_DRAW = settings.get("uniforms", fused_attention.UNIFORMS_PER_DRAW)
     fused_attention.PRECOMPUTED_CORRECTION = settings.get(
