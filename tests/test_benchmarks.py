@@ -78,3 +78,15 @@ def test_the_handout_loop_is_timed_over_at_least_two_epochs_of_each_stage(capsys
         with pytest.raises(SystemExit):
             bench_user_path.main(["--startup_only", "--handout_epochs", value])
         assert "--handout_epochs takes 'all' or P,F,Q" in capsys.readouterr().err
+
+
+def test_step_variants_gives_each_run_its_own_seed():
+    """`--seed N`, added to each run's train.py flags, reaches train.py: not read as the script's `--seeds`."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
+    import step_variants
+
+    _, args, train_args = step_variants.parse_args(
+        ["--run_one", "as-is", "--recipe", "handout", "--seed", "3", "--output_dir", "o"]
+    )
+    assert args.run_one == "as-is" and args.seeds == "0,1,2"
+    assert train_args == ["--recipe", "handout", "--seed", "3", "--output_dir", "o"]

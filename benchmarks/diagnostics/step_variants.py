@@ -105,14 +105,22 @@ def run_one(variant: str, train_args: list[str]) -> None:
     cli.run_script(train.main)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    """This script's flags, and the rest for `scripts/train.py`. No abbreviations: `--seed` (train.py's, given to
+    each run) must not be taken for `--seeds`."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--variants", default="splits3,splits1", help=f"from {', '.join(VARIANTS)}, in order")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=None, help="write the runs as JSON here")
     parser.add_argument("--run_one", choices=list(VARIANTS), default=None, help=argparse.SUPPRESS)
-    args, train_args = parser.parse_known_args()
-    train_args = [a for a in train_args if a != "--"]
+    args, train_args = parser.parse_known_args(argv)
+    return parser, args, [a for a in train_args if a != "--"]
+
+
+def main():
+    parser, args, train_args = parse_args()
     if args.run_one is not None:
         return run_one(args.run_one, train_args)
     variants = args.variants.split(",")

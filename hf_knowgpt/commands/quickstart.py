@@ -21,7 +21,10 @@ PIPELINE_QUESTIONS = 5
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # the flags it does not know go to train.py whole: none may be read as an abbreviation of these
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--output_dir", default="outputs/quickstart", help="the run's folder (replaced if it exists)")
     parser.add_argument("--eval_corpus_path", default=None, help="dev questions (default: the synthetic dev set)")
     return parser.parse_known_args(argv)
