@@ -17,18 +17,19 @@ one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correctio
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before
-every graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor options added to
-the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix
-products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such as the
-vocabulary's 257 logits; `pdl` launches each inductor kernel while the one before it ends (programmatic
-dependent launch, Hopper and later); `cooperative-reductions` does a split reduction in one kernel with a
-grid-wide barrier, `no-split-reductions` in one kernel without splitting it; `caching-precompile` keeps
-dynamo's traced bytecode and guards with the saved artifacts, so that a warm run need not trace again
-(torch's experimental `torch._dynamo.config.caching_precompile`, which drops identity guards); inductor's `triton.multi_kernel`
-is not offered: on torch 2.11 a run that loads
-its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`); parts of the compiled step
-left uncompiled: its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
-(`eager-batch-clip`); CPU training without keeping freed memory for reuse
+every graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`);
+inductor options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`:
+`no-shape-pad` pads only the matrix products inductor judges compute-bound, not every one whose sizes are
+not multiples of 8 such as the vocabulary's 257 logits; `pdl` launches each inductor kernel while the one
+before it ends (programmatic dependent launch, Hopper and later); `cooperative-reductions` does a split
+reduction in one kernel with a grid-wide barrier, `no-split-reductions` in one kernel without splitting
+it; inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
+cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code
+and guards, so that a warm run need not trace again (`caching-precompile`,
+`torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
+`results/h200_step_variants_caching_precompile_failure.log`); parts of the compiled step left uncompiled:
+its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
+(`eager-clip`), both (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
 
     python benchmarks/diagnostics/step_variants.py --variants as-is,no-memory-reuse --seeds 0,0,0 -- \\
