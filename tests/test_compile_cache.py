@@ -72,3 +72,75 @@ def test_a_missing_or_damaged_file_is_skipped(tmp_path, caplog):
     damaged.write_bytes(b"not artifacts")
     assert not compile_cache.load_artifacts(damaged)
     assert "not loaded" in caplog.text and str(damaged) in caplog.text
+
+
+# A small step compiled whole (`PrecompiledFunction`) over three batch sizes, its rows dynamic: loaded first
+# from the functions file when it is there, saved after; prints what dynamo traced and what the step computed.
+PRECOMPILED_STEP = textwrap.dedent(
+    """
+    import json, sys, torch
+    from pathlib import Path
+    from torch._dynamo.utils import counters
+    from hf_knowgpt.training.compile_cache import PrecompiledFunction, load_functions, save_functions
+
+    def step(layer, inputs, targets):
+        return torch.nn.functional.cross_entropy(torch.nn.functional.gelu(layer(inputs)), targets)
+
+    path = Path(sys.argv[1])
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    compiled = PrecompiledFunction(step, "step", dynamic_arguments={1: 0, 2: 0})
+    loaded = load_functions(path, [compiled])
+    losses = []
+    for rows in (4, 6, 9):
+        inputs, targets = torch.randn(rows, 16), torch.randint(0, 8, (rows,))
+        loss = compiled(layer, inputs, targets)
+        loss.backward()
+        losses.append(loss.item())
+        assert abs(loss.item() - step(layer, inputs, targets).item()) < 1e-6
+    saved = save_functions(path, [compiled])
+    print(json.dumps({"loaded": loaded, "saved": saved, "entries": len(compiled.entries),
+                      "traced": counters["stats"].get("calls_captured", 0), "losses": losses,
+                      "gradient": layer.weight.grad.tolist()}))
+    """
+)
+
+
+def test_a_later_process_loads_the_traced_function_and_traces_nothing(tmp_path):
+    """`PrecompiledFunction` keeps what dynamo traced: a process that loads the functions file runs the step
+    without tracing it (nor compiling anything: its inductor cache is empty), one graph for every batch size,
+    and computes what the first process computed."""
+    path = tmp_path / "step.functions"
+    runs = []
+    for name in ("first", "later"):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
+        completed = subprocess.run([sys.executable, "-c", PRECOMPILED_STEP, str(path)], env=env,
+                                   capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+    first, later = runs
+    assert not first["loaded"] and first["saved"] and first["traced"] > 0 and first["entries"] == 1
+    assert later["loaded"] and not later["saved"] and later["traced"] == 0 and later["entries"] == 1
+    assert later["losses"] == first["losses"] and later["gradient"] == first["gradient"]
+
+
+def test_a_function_that_cannot_compile_whole_compiles_the_default_way(tmp_path, caplog):
+    def breaks(x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x + 1
+
+    compiled = compile_cache.PrecompiledFunction(breaks, "breaks")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert "breaks could not be compiled whole" in caplog.text and compiled.fallback is not None
+    assert not compiled.entries and not compile_cache.save_functions(tmp_path / "f.functions", [compiled])
+    assert not (tmp_path / "f.functions").exists()
+
+
+def test_a_damaged_functions_file_is_skipped(tmp_path, caplog):
+    compiled = compile_cache.PrecompiledFunction(torch.sin, "sin")
+    assert not compile_cache.load_functions(tmp_path / "absent.functions", [compiled])
+    damaged = tmp_path / "damaged.functions"
+    damaged.write_bytes(b"not functions")
+    assert not compile_cache.load_functions(damaged, [compiled])
+    assert "not loaded" in caplog.text and str(damaged) in caplog.text and not compiled.entries

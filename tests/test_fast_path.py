@@ -367,6 +367,34 @@ def test_the_compiled_packed_step_through_sdpa_is_one_trace(pretraining_data, tm
     assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
 
 
+def test_a_later_compiled_step_loads_what_an_earlier_one_traced(pretraining_data, tmp_path, monkeypatch):
+    """The compiled step's three parts are compiled whole and saved beside the compiled artifacts
+    (`compile_cache.functions_file`): a later stepper for the same model and step loads them, traces nothing,
+    and computes the same losses over every bucket of token counts."""
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path / "compiled"))
+    tokenizer, data = pretraining_data
+    runs = []
+    for name in ("first", "later"):
+        torch._dynamo.reset()
+        counters.clear()
+        trainer = make_trainer(tmp_path / name, data, fresh_model(len(tokenizer)), graphed=True)
+        stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
+        losses, capacities = [], set()
+        for step in range(trainer.steps_per_epoch + 1):
+            trainer.optimizer.zero_grad(set_to_none=True)
+            capacity = stepper._prepare_packed(step)
+            capacities.add(capacity)
+            stepper._body(capacity)
+            losses.append(stepper.take_loss().item())
+        stepper.save_compiled()
+        runs.append((losses, dict(counters["stats"]), [len(part.entries) for part in stepper.precompiled]))
+    (first_losses, first_stats, first_entries), (later_losses, later_stats, later_entries) = runs
+    assert len(capacities) > 1, capacities  # several buckets, one graph
+    assert first_stats["unique_graphs"] == 3 and first_entries == later_entries == [1, 1, 1]
+    assert later_stats.get("calls_captured", 0) == 0, later_stats
+    assert later_losses == first_losses
+
+
 def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraining_data, tmp_path):
     """The package's file of compiled artifacts (`compile_cache`) is keyed by the model and the step: the same
     for a model loaded from any checkpoint path, another for another width or attention implementation."""

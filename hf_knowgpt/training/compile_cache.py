@@ -7,12 +7,20 @@ caches, so a later process on the same kind of card, with the same versions, fin
 compiling again. The package keeps one file per model and step shape under `compile_cache_dir()`:
 `$KNOWGPT_COMPILE_CACHE`, else `$KNOWGPT_CACHE/compiled`, else `~/.cache/hf_knowgpt/compiled`. A file that
 cannot be read or loaded is reported and skipped: it never stops a run.
+
+Those caches hold what inductor and AOTAutograd made of a traced graph, not the tracing itself: a process
+that finds everything there still has dynamo trace the step's Python bytecode, most of a warm run's
+compilation (benchmarks/RESULTS.md). `PrecompiledFunction` compiles a function whole ahead of its call
+(`torch.compile(...).aot_compile`), and `save_functions` keeps dynamo's output too, guards and bytecode, in a
+second file beside the artifacts (`functions_file`), which a later process loads instead of tracing.
 """
 
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import tempfile
 from pathlib import Path
 
@@ -61,27 +69,143 @@ def compiled_anew() -> bool:
     return counters["inductor"]["fxgraph_cache_miss"] > 0 or counters["aot_autograd"]["autograd_cache_miss"] > 0
 
 
-def save_artifacts(path: Path) -> bool:
-    """Save what this process compiled or found in the caches to `path` (written whole or not at all), where the
-    file is absent or the process compiled something anew; whether it wrote."""
-    if path.is_file() and not compiled_anew():
-        return False
+def _write_whole(path: Path, data: bytes, what: str) -> bool:
+    """`data` to `path` through a temporary file beside it, so a reader finds the old file or the new one."""
     try:
-        artifacts = torch.compiler.save_cache_artifacts()
-        if artifacts is None:
-            return False
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
             try:
-                partial.write(artifacts[0])
+                partial.write(data)
                 partial.close()
                 os.replace(partial.name, path)
             finally:
                 Path(partial.name).unlink(missing_ok=True)  # gone after the replace; removed if it failed
     except OSError as error:  # a read-only home, a full disk: the run itself is done and saved
-        logger.warning("compiled artifacts not saved to %s (%s)", path, error)
+        logger.warning("%s not saved to %s (%s)", what, path, error)
         return False
     return True
 
 
-__all__ = ["artifacts_file", "compile_cache_dir", "compiled_anew", "load_artifacts", "save_artifacts"]
+def save_artifacts(path: Path) -> bool:
+    """Save what this process compiled or found in the caches to `path` (written whole or not at all), where the
+    file is absent or the process compiled something anew; whether it wrote."""
+    if path.is_file() and not compiled_anew():
+        return False
+    artifacts = torch.compiler.save_cache_artifacts()
+    return artifacts is not None and _write_whole(path, artifacts[0], "compiled artifacts")
+
+
+class PrecompiledFunction:
+    """`function` compiled whole (no graph break) ahead of its first call, by `torch.compile(...).aot_compile`,
+    so that what dynamo traced can be kept and loaded by a later process (`load`, `serialized`).
+
+    Each entry is one compiled graph with the guards it was compiled under (shapes, dtypes, constant arguments;
+    a dimension marked dynamic stays symbolic). A call runs the first entry whose guards hold; where none does,
+    the call's arguments are compiled into a new entry, as dynamo recompiles. Where compiling whole fails (a
+    graph break, a torch without `aot_compile`), the function is compiled the default way and nothing is kept.
+    `function` takes every object it reads as an argument (no closure): a loaded entry reads them from its call.
+
+    `dynamic_arguments` ({position: dimension}) names the sizes compiled as symbols (`torch._dynamo.mark_dynamic`)
+    on a copy of the argument, never on the caller's tensor: an entry loaded from a file takes only unmarked
+    tensors (its guards are rebuilt without the marking), one compiled here takes either.
+    """
+
+    def __init__(self, function, name: str, dynamic=None, options=None, dynamic_arguments: dict | None = None):
+        self.function, self.name = function, name
+        self.dynamic, self.options = dynamic, options
+        self.dynamic_arguments = dynamic_arguments or {}
+        self.entries = []
+        self.compiled_anew = False  # an entry compiled in this process (not loaded)
+        self.fallback = None  # the default torch.compile, once compiling whole failed
+
+    def __call__(self, *args, **kwargs):
+        if self.fallback is None:
+            for entry in self.entries:
+                if entry.guard_check(*args, **kwargs):
+                    return entry(*args, **kwargs)
+            try:
+                entry = self._compile(args, kwargs)
+            except Exception as error:  # the default way traces and compiles what it can
+                logger.warning(
+                    "%s could not be compiled whole ahead of its call (%s: %s); compiled the default way, and "
+                    "later processes trace it again", self.name, type(error).__name__, str(error).splitlines()[0]
+                )  # fmt: skip
+                self.fallback = torch.compile(self.function, dynamic=self.dynamic, options=self.options)
+            else:
+                self.entries.append(entry)
+                self.compiled_anew = True
+                return entry(*args, **kwargs)
+            for position, dimension in self.dynamic_arguments.items():
+                torch._dynamo.mark_dynamic(args[position], dimension)
+        return self.fallback(*args, **kwargs)
+
+    def _compile(self, args, kwargs):
+        examples = list(args)
+        for position, dimension in self.dynamic_arguments.items():
+            examples[position] = args[position].clone()
+            torch._dynamo.mark_dynamic(examples[position], dimension)
+        with torch._dynamo.config.patch(enable_aot_compile=True):  # what adds `aot_compile` (experimental)
+            compiler = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic, options=self.options)
+        entry = compiler.aot_compile((tuple(examples), kwargs))
+        entry.disable_guard_check()  # `__call__` checked them
+        return entry
+
+    def serialized(self) -> list[bytes]:
+        return [type(entry).serialize(entry).serialized_data for entry in self.entries]
+
+    def load(self, serialized: list[bytes]) -> None:
+        """Add entries an earlier process compiled (`serialized`), before those this one compiles."""
+        for data in serialized:
+            entry = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=self.function.__globals__)
+            entry.disable_guard_check()
+            self.entries.append(entry)
+
+
+def functions_file(artifacts: Path) -> Path:
+    """Where the precompiled functions of the step whose artifacts are in `artifacts` are kept."""
+    return artifacts.with_suffix(".functions")
+
+
+def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
+    """Load into `functions` the entries saved for them in `path` (by name); whether there were any. A file that
+    cannot be read or loaded (damaged, another version) is reported and skipped: each function compiles anew."""
+    if not path.is_file():
+        return False
+    try:
+        saved = pickle.loads(path.read_bytes())
+        loaded = [(function, saved.get(function.name, [])) for function in functions]
+        for function, serialized in loaded:
+            function.load(serialized)
+    except Exception as error:
+        logger.warning("precompiled functions in %s not loaded (%s: %s); tracing anew", path, type(error).__name__,
+                       str(error).splitlines()[0] if str(error) else "")  # fmt: skip
+        for function in functions:
+            function.entries.clear()
+        return False
+    return any(serialized for _, serialized in loaded)
+
+
+def save_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
+    """Save the entries of `functions` to `path` (written whole or not at all), where one was compiled anew in
+    this process; whether it wrote."""
+    if not any(function.compiled_anew for function in functions):
+        return False
+    try:
+        data = pickle.dumps({function.name: function.serialized() for function in functions if function.entries})
+    except Exception as error:  # an entry torch cannot serialize: later processes trace as before
+        logger.warning("precompiled functions not saved to %s (%s: %s)", path, type(error).__name__, error)
+        return False
+    return _write_whole(path, data, "precompiled functions")
+
+
+__all__ = [
+    "PrecompiledFunction",
+    "artifacts_file",
+    "compile_cache_dir",
+    "compiled_anew",
+    "functions_file",
+    "load_artifacts",
+    "load_functions",
+    "save_artifacts",
+    "save_functions",
+]

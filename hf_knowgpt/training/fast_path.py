@@ -16,6 +16,7 @@ smaller), normalize the loss by the number of trained targets and follow the sam
 """
 
 import ctypes
+import functools
 import time
 
 import torch
@@ -24,7 +25,15 @@ from torch.utils.data import DataLoader, Dataset
 from data_loaders.encoding import collate_handout_pairs
 
 from ..options import TRAINING_PATHS
-from .compile_cache import artifacts_file, load_artifacts, save_artifacts
+from .compile_cache import (
+    PrecompiledFunction,
+    artifacts_file,
+    functions_file,
+    load_artifacts,
+    load_functions,
+    save_artifacts,
+    save_functions,
+)
 from .data import TrainingBatch, packed_size, packed_token_index
 
 
@@ -146,6 +155,27 @@ class PlainStepper(EagerStepper):
         return done
 
 
+def model_loss(model, input_ids, labels, token_index, trained_targets):
+    """The step's loss: `model` over the batch (`token_index`: its real positions, packed), normalized by the
+    batch's number of trained targets."""
+    return model(
+        input_ids=input_ids,
+        labels=labels,
+        token_index=token_index,
+        num_items_in_batch=trained_targets,
+        use_cache=False,
+    ).loss
+
+
+def clip_and_set_rate(parameters, max_norm, step_counter, learning_rates, learning_rate):
+    """The gradients clipped to `max_norm` (none where it is 0 or None), and the step's learning rate set from
+    the step counter (the schedule's last rate past its end)."""
+    if max_norm:
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+    step = step_counter.clamp(max=len(learning_rates) - 1)
+    learning_rate.copy_(learning_rates.index_select(0, step.view(1))[0])
+
+
 class GraphedStepper:
     """The whole optimizer step as CUDA graphs, replayed once per step.
 
@@ -211,28 +241,7 @@ class GraphedStepper:
         )  # fmt: skip
         if compile_model == "auto":  # compile where an earlier run saved what it compiled (several processes: always)
             compile_model = self.world > 1 or self.artifacts.is_file()
-        if compile_model:  # back into the compiler's caches, where these are empty
-            load_artifacts(self.artifacts)
-        # Packed, only the token count varies (one graph for every bucket): its buffers are marked dynamic.
-        # `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p, the
-        # embeddings' norm_type), which inductor cannot keep, so dynamo traced and lowered everything twice:
-        # 8 of a warm run's 10 s of compilation (benchmarks/RESULTS.md).
-        self.compiled = compile_model
-        self.model = (
-            torch.compile(model, dynamic=None if self.packed else False, options=options) if compile_model else model
-        )
-        # Packed, the step's batch (span corruption from the host's uniforms) has the same shapes at every step;
-        # compiled, its ~50 small index and comparison kernels become a few fused ones.
-        self.compiled_device_batch = (
-            torch.compile(trainer.data.device_batch, dynamic=False, options=options)
-            if compile_model and self.packed
-            else None
-        )
         self.parameters = [p for p in model.parameters() if p.requires_grad]
-        # Likewise the clipping (a norm per parameter, their norm, a scale per parameter) and the step's rate.
-        self.compiled_clip_and_rate = (
-            torch.compile(self._clip_and_rate, dynamic=False, options=options) if compile_model else None
-        )
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.learning_rates = torch.tensor(
             [args.learning_rate * m for m in trainer.lr_multipliers], device=device, dtype=torch.float32
@@ -266,6 +275,42 @@ class GraphedStepper:
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
         self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
+        self.compiled = compile_model
+        self.model = model
+        self.model_loss = functools.partial(model_loss, model)
+        self.compiled_device_batch = self.compiled_clip_and_rate = None
+        self.precompiled = []
+        if compile_model:
+            self._compile(options)
+
+    def _compile(self, options):
+        """The step's three parts compiled, each whole, from what an earlier process saved where it did."""
+        load_artifacts(self.artifacts)  # back into the compiler's caches, where these are empty
+        # Packed, only the token count varies (one graph for every bucket): the token index is compiled
+        # with its size a symbol.
+        # `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p, the
+        # embeddings' norm_type), which inductor cannot keep, so dynamo traced and lowered everything twice:
+        # 8 of a warm run's 10 s of compilation (benchmarks/RESULTS.md).
+        compiled_model_loss = PrecompiledFunction(
+            model_loss, "model", dynamic=None if self.packed else False, options=options,
+            dynamic_arguments={3: 0} if self.packed else None,  # model_loss's token_index: one graph, every bucket
+        )  # fmt: skip
+        self.model_loss = functools.partial(compiled_model_loss, self.model)
+        self.precompiled.append(compiled_model_loss)
+        # Packed, the step's batch (span corruption from the host's uniforms) has the same shapes at every step;
+        # compiled, its ~50 small index and comparison kernels become a few fused ones.
+        if self.packed:
+            data = self.trainer.data
+            compiled_device_batch = PrecompiledFunction(
+                type(data).device_batch, "batch", dynamic=False, options=options
+            )
+            self.compiled_device_batch = functools.partial(compiled_device_batch, data)
+            self.precompiled.append(compiled_device_batch)
+        # Likewise the clipping (a norm per parameter, their norm, a scale per parameter) and the step's rate.
+        compiled_clip_and_rate = PrecompiledFunction(clip_and_set_rate, "clip", dynamic=False, options=options)
+        self.compiled_clip_and_rate = functools.partial(compiled_clip_and_rate, *self._clip_and_rate_arguments())
+        self.precompiled.append(compiled_clip_and_rate)
+        load_functions(functions_file(self.artifacts), self.precompiled)
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
     def _body(self, capacity=None):
@@ -294,13 +339,7 @@ class GraphedStepper:
             enabled=self.autocast_dtype is not None,
             cache_enabled=False,
         ):
-            loss = self.model(
-                input_ids=input_ids,
-                labels=labels,
-                token_index=token_index,
-                num_items_in_batch=trained_targets,
-                use_cache=False,
-            ).loss
+            loss = self.model_loss(input_ids, labels, token_index, trained_targets)
         loss.backward()
         if self.world > 1:
             self._sum_gradients_over_processes()
@@ -310,12 +349,17 @@ class GraphedStepper:
         self.loss_sum.add_(loss.detach(), alpha=self.world)
         self.step_counter.add_(1)
 
+    def _clip_and_rate_arguments(self):
+        return (
+            self.parameters,
+            self.trainer.args.grad_norm_clip,
+            self.step_counter,
+            self.learning_rates,
+            self.learning_rate,
+        )
+
     def _clip_and_rate(self):
-        """The gradients clipped to the recipe's norm, and this step's learning rate set from the step counter."""
-        if self.trainer.args.grad_norm_clip:
-            torch.nn.utils.clip_grad_norm_(self.parameters, self.trainer.args.grad_norm_clip, foreach=True)
-        step = self.step_counter.clamp(max=len(self.learning_rates) - 1)
-        self.learning_rate.copy_(self.learning_rates.index_select(0, step.view(1))[0])
+        clip_and_set_rate(*self._clip_and_rate_arguments())
 
     def _sum_gradients_over_processes(self):
         """One all-reduce for all gradients: flattened into one buffer and copied back (two kernels), where
@@ -351,8 +395,6 @@ class GraphedStepper:
         token_index = packed_token_index(lengths, self.seq_len, size=capacity)
         if capacity not in self.token_indices:
             self.token_indices[capacity] = torch.zeros(capacity, dtype=torch.long, device=self.device)
-            if self.compiled:
-                torch._dynamo.mark_dynamic(self.token_indices[capacity], 0)
         # Pinned staging makes the copies asynchronous; torch keeps each staging block until its copy is done.
         pinned = self.device.type == "cuda"
         for target, source in (
@@ -436,6 +478,7 @@ class GraphedStepper:
         """Keep what this run compiled for later processes (`compile_cache`); the first process only."""
         if self.compiled and self.rank == 0:
             save_artifacts(self.artifacts)
+            save_functions(functions_file(self.artifacts), self.precompiled)
 
 
 __all__ = [
