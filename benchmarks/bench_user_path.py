@@ -142,13 +142,16 @@ def handout_loop(data: Path, attention_type: str, work: Path, epochs: tuple[int,
 
 def breakdown(started: float, ended: float, summary: dict) -> list[tuple[str, float]]:
     """Every second of a train.py process by phase (hf_knowgpt.utils.timeline), a stage's training split
-    into compilation and graph capture (its warm-up) and the steps."""
+    into loading what earlier processes compiled, compilation and graph capture (its warm-up) and the steps
+    (with the loop's set-up: optimizer, accelerate's preparation)."""
     rows = []
     for label, seconds in phase_seconds(started, summary["timeline"], ended):
         stage = label.split(":")[0]
         if label.endswith("(compilation and capture included)"):
             warmup = summary["stages"][stage]["warmup_seconds"]
-            rows += [(f"{stage}: compilation and graph capture", warmup), (f"{stage}: steps", seconds - warmup)]
+            loading = summary["stages"][stage].get("load_seconds", 0.0)  # absent from older results
+            rows += [(f"{stage}: compiled step loaded", loading), (f"{stage}: compilation and graph capture", warmup)]
+            rows.append((f"{stage}: steps", seconds - warmup - loading))
         else:
             rows.append((label, seconds))
     return rows

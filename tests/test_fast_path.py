@@ -370,14 +370,17 @@ def test_the_compiled_packed_step_through_sdpa_is_one_trace(pretraining_data, tm
 def test_a_later_compiled_step_loads_what_an_earlier_one_traced(pretraining_data, tmp_path, monkeypatch):
     """The compiled step's three parts are compiled whole and saved beside the compiled artifacts
     (`compile_cache.functions_file`): a later stepper for the same model and step loads them, traces nothing,
-    and computes the same losses over every bucket of token counts."""
+    and computes the same losses over every bucket of token counts. Under bf16 autocast, as the recipes train:
+    entered around a loaded entry's call, autocast changed the tensors' dispatch keys that its guards check, and
+    the model was traced again in every process."""
     monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path / "compiled"))
     tokenizer, data = pretraining_data
     runs = []
     for name in ("first", "later"):
         torch._dynamo.reset()
         counters.clear()
-        trainer = make_trainer(tmp_path / name, data, fresh_model(len(tokenizer)), graphed=True)
+        model = fresh_model(len(tokenizer))
+        trainer = make_trainer(tmp_path / name, data, model, graphed=True, mixed_precision="bf16")
         stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
         losses, capacities = [], set()
         for step in range(trainer.steps_per_epoch + 1):
@@ -392,7 +395,7 @@ def test_a_later_compiled_step_loads_what_an_earlier_one_traced(pretraining_data
     assert len(capacities) > 1, capacities  # several buckets, one graph
     assert first_stats["unique_graphs"] == 3 and first_entries == later_entries == [1, 1, 1]
     assert later_stats.get("calls_captured", 0) == 0, later_stats
-    assert later_losses == first_losses
+    assert later_losses == pytest.approx(first_losses, rel=1e-5)  # bf16 sums on CPU threads: not bit for bit
 
 
 def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraining_data, tmp_path):
@@ -647,12 +650,13 @@ def test_auto_compiles_only_where_an_earlier_run_saved_its_artifacts(pretraining
     trainer = make_trainer(tmp_path / "run", data, fresh_model(len(tokenizer)), graphed=True)
     first = GraphedStepper(trainer, compile_model="auto", bucket=64)
     assert first.compiled is False and first.compiled_clip_and_rate is None and not first.artifacts.exists()
+    assert first.load_seconds == 0.0
     compiled = GraphedStepper(trainer, compile_model=True, bucket=64)
     compiled._body(compiled._prepare_packed(0))
     compiled.save_compiled()
     assert compiled.artifacts == first.artifacts and first.artifacts.is_file()
     again = GraphedStepper(trainer, compile_model="auto", bucket=64)
-    assert again.compiled is True and again.compiled_clip_and_rate is not None
+    assert again.compiled is True and again.compiled_clip_and_rate is not None and again.load_seconds > 0
 
 
 def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(

@@ -77,12 +77,13 @@ def main():
         results = json.loads((Path(caches) / f"run-{name}" / "results.json").read_text())
         stage = results["stages"]["pretrain"]
         runs.append(dict(run=name, process_s=seconds, warmup_s=stage["warmup_seconds"],
-                         train_s=stage["train_seconds"], **json.loads(report.read_text())))  # fmt: skip
+                         load_s=stage.get("load_seconds", 0.0), train_s=stage["train_seconds"],
+                         **json.loads(report.read_text())))  # fmt: skip
     if args.output:
         Path(args.output).write_text(json.dumps(runs, indent=1, default=str))
     for run in runs:
-        print(f"\n== {run['run']}: process {run['process_s']:.1f} s, warm-up (compile + capture) "
-              f"{run['warmup_s']:.1f} s, steps {run['train_s']:.1f} s")  # fmt: skip
+        print(f"\n== {run['run']}: process {run['process_s']:.1f} s, compiled step loaded {run['load_s']:.1f} s, "
+              f"warm-up (compile + capture) {run['warmup_s']:.1f} s, steps {run['train_s']:.1f} s")  # fmt: skip
         for phase, seconds in run["compile_times_s"].items():
             print(f"  {phase:40s} {seconds}")
         print(run["compile_times"][:3000])
@@ -98,7 +99,7 @@ def print_profile(path: str, functions: int = 45) -> None:
 
     stats = pstats.Stats(path)
     stats.sort_stats("cumulative").print_stats(functions)
-    stats.print_callees("capture|load_artifacts|_prepare_packed")
+    stats.print_callees("capture|load_artifacts|_prepare_packed|_compile|load_functions|load_compiled_function")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ it; inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that lo
 cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code
 and guards, so that a warm run need not trace again (`caching-precompile`,
 `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
-`results/h200_step_variants_caching_precompile_failure.log`); parts of the compiled step left uncompiled:
+`results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
+traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
+`compile_cache.PrecompiledFunction`); parts of the compiled step left uncompiled:
 its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
 (`eager-clip`), both (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
@@ -64,6 +66,7 @@ VARIANTS = {
     "cooperative-reductions": {"inductor": {"triton.cooperative_reductions": True}},
     "no-split-reductions": {"inductor": {"split_reductions": False}},
     "caching-precompile": {"dynamo": {"caching_precompile": True}},
+    "traced-every-run": {"traced_every_run": True},
     "no-memory-reuse": {"memory_reuse": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
@@ -91,6 +94,13 @@ def run_one(variant: str, train_args: list[str]) -> None:
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
+    if settings.get("traced_every_run"):  # every part compiled the default way: dynamo traces it in every run
+        from hf_knowgpt.training import compile_cache
+
+        def not_whole(self, args, kwargs):
+            raise RuntimeError("traced-every-run variant")
+
+        compile_cache.PrecompiledFunction._compile = not_whole
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):

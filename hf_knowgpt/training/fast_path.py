@@ -155,16 +155,24 @@ class PlainStepper(EagerStepper):
         return done
 
 
-def model_loss(model, input_ids, labels, token_index, trained_targets):
+def model_loss(model, input_ids, labels, token_index, trained_targets, autocast_dtype=None):
     """The step's loss: `model` over the batch (`token_index`: its real positions, packed), normalized by the
-    batch's number of trained targets."""
-    return model(
-        input_ids=input_ids,
-        labels=labels,
-        token_index=token_index,
-        num_items_in_batch=trained_targets,
-        use_cache=False,
-    ).loss
+    batch's number of trained targets, under autocast to `autocast_dtype` where one is given. Autocast is
+    entered here, not around the call: a compiled entry loaded from a file rebuilds its guards on the
+    tensors' dispatch keys outside any autocast, so a call from inside one would never match them."""
+    with torch.autocast(
+        input_ids.device.type,
+        dtype=autocast_dtype or torch.float32,
+        enabled=autocast_dtype is not None,
+        cache_enabled=False,
+    ):
+        return model(
+            input_ids=input_ids,
+            labels=labels,
+            token_index=token_index,
+            num_items_in_batch=trained_targets,
+            use_cache=False,
+        ).loss
 
 
 def clip_and_set_rate(parameters, max_norm, step_counter, learning_rates, learning_rate):
@@ -280,8 +288,11 @@ class GraphedStepper:
         self.model_loss = functools.partial(model_loss, model)
         self.compiled_device_batch = self.compiled_clip_and_rate = None
         self.precompiled = []
+        self.load_seconds = 0.0  # loading what earlier processes compiled (`_compile`)
         if compile_model:
+            started = time.perf_counter()
             self._compile(options)
+            self.load_seconds = time.perf_counter() - started
 
     def _compile(self, options):
         """The step's three parts compiled, each whole, from what an earlier process saved where it did."""
@@ -333,13 +344,7 @@ class GraphedStepper:
             input_ids, labels = trainer.data.device_batch(indices, valid, self.seq_len)
             token_index = None
             trained_targets = (labels[:, 1:] != -100).sum()
-        with torch.autocast(
-            self.device.type,
-            dtype=self.autocast_dtype or torch.float32,
-            enabled=self.autocast_dtype is not None,
-            cache_enabled=False,
-        ):
-            loss = self.model_loss(input_ids, labels, token_index, trained_targets)
+        loss = self.model_loss(input_ids, labels, token_index, trained_targets, self.autocast_dtype)
         loss.backward()
         if self.world > 1:
             self._sum_gradients_over_processes()

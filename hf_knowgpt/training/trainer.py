@@ -209,6 +209,7 @@ class TrainingResult:
     interrupted: int = 0  # the signal that stopped the run, 0 when it ran to the end
     epoch_seconds: list = field(default_factory=list)  # seconds from the start (or resumption) to each epoch end
     warmup_seconds: float = 0.0  # graph capture and its warm-up steps, inside train_seconds
+    load_seconds: float = 0.0  # loading what earlier processes compiled for the step, before train_seconds
     captures: list = field(default_factory=list)  # {"tokens", "seconds"} of each CUDA graph captured
     compiled: bool = False  # whether the step ran compiled (with compile="auto": whether it was saved before)
 
@@ -530,6 +531,7 @@ class KnowGPTTrainer:
             interrupted=interrupted,
             epoch_seconds=[timeline.seconds(mark) for mark in epoch_marks],
             warmup_seconds=getattr(stepper, "capture_seconds", 0.0),
+            load_seconds=getattr(stepper, "load_seconds", 0.0),
             captures=getattr(stepper, "captures", []),
             compiled=getattr(stepper, "compiled", False),
         )

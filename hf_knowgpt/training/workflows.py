@@ -128,6 +128,7 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
         "final_loss": result.final_loss,
         "train_seconds": result.train_seconds,
         "warmup_seconds": result.warmup_seconds,
+        "load_seconds": result.load_seconds,
         "captures": result.captures,
         "compiled": result.compiled,
         "examples_per_second": result.examples_per_second,
