@@ -297,10 +297,9 @@ class GraphedStepper:
     def _compile(self, options):
         """The step's three parts compiled, each whole, from what an earlier process saved where it did."""
         load_artifacts(self.artifacts)  # back into the compiler's caches, where these are empty
-        # Packed, only the token count varies (one graph for every bucket): the token index is compiled
-        # with its size a symbol.
-        # `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p, the
-        # embeddings' norm_type), which inductor cannot keep, so dynamo traced and lowered everything twice:
+        # Packed, only the token count varies (one graph for every bucket): the token index is compiled with its
+        # size a symbol. `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p,
+        # the embeddings' norm_type), which inductor cannot keep, so dynamo traced and lowered everything twice:
         # 8 of a warm run's 10 s of compilation (benchmarks/RESULTS.md).
         compiled_model_loss = PrecompiledFunction(
             model_loss, "model", dynamic=None if self.packed else False, options=options,
