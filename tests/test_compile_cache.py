@@ -108,8 +108,9 @@ PRECOMPILED_STEP = textwrap.dedent(
 
 def test_a_later_process_loads_the_traced_function_and_traces_nothing(tmp_path):
     """`PrecompiledFunction` keeps what dynamo traced: a process that loads the functions file runs the step
-    without tracing it (nor compiling anything: its inductor cache is empty), one graph for every batch size,
-    and computes what the first process computed."""
+    without tracing it, one graph for every batch size, and computes what the first process computed. Its
+    inductor cache is empty, so the graph comes from the file alone (on a CPU its C++ kernels are built again
+    from the code the file holds)."""
     path = tmp_path / "step.functions"
     runs = []
     for name in ("first", "later"):
