@@ -20,8 +20,9 @@ On a GPU, in one run:
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
    recipe (650 pretraining epochs, 10 finetuning epochs, 500 questions) added at the measured rates, or
    their whole recipe with --handout_epochs all.
-The table ends with where a run's seconds go: start-up, imports, data, compilation and capture, steps,
-saving, evaluation and exit, from the marks train.py writes into results.json (`timeline`).
+The table ends with where a run's seconds go: start-up, imports, data, loading what earlier runs compiled,
+compilation and capture, steps, saving, evaluation and exit, from the marks train.py writes into results.json
+(`timeline`) and each stage's `load_seconds` and `warmup_seconds`.
 Always: `import hf_knowgpt`, `scripts/pretrain.py --help` and `scripts/train.py --help`, best of three.
 A table is printed last; --output writes JSON.
 """
