@@ -29,7 +29,8 @@ and guards, so that a warm run need not trace again (`caching-precompile`,
 `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
 `results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
 traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
-`compile_cache.PrecompiledFunction`); parts of the compiled step left uncompiled:
+`compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
+traced step's file is there (`functions-only`: what loading them costs a warm run); parts of the compiled step left uncompiled:
 its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
 (`eager-clip`), both (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
@@ -67,6 +68,7 @@ VARIANTS = {
     "no-split-reductions": {"inductor": {"split_reductions": False}},
     "caching-precompile": {"dynamo": {"caching_precompile": True}},
     "traced-every-run": {"traced_every_run": True},
+    "functions-only": {"functions_only": True},
     "no-memory-reuse": {"memory_reuse": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
@@ -101,6 +103,13 @@ def run_one(variant: str, train_args: list[str]) -> None:
             raise RuntimeError("traced-every-run variant")
 
         compile_cache.PrecompiledFunction._compile = not_whole
+    if settings.get("functions_only"):  # the compiled artifacts left out of the caches where the traced step is kept
+        from hf_knowgpt.training import compile_cache, fast_path
+
+        load_artifacts = fast_path.load_artifacts
+        fast_path.load_artifacts = lambda path: (
+            False if compile_cache.functions_file(path).is_file() else load_artifacts(path)
+        )
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):
