@@ -12,6 +12,7 @@ its model card.
 import argparse
 
 from ..options import HANDOUT_MAX_NEW_TOKENS
+from ..utils import cuda_context
 from . import cli
 
 
@@ -38,6 +39,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    cuda_context.start_cuda_context(args.device)  # the GPU made ready while the libraries import
     from ..analysis.evaluation import evaluate_birthplaces
 
     result = evaluate_birthplaces(

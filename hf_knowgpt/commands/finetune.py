@@ -11,6 +11,7 @@ not given takes the --recipe's value.
 
 import argparse
 
+from ..utils import cuda_context
 from . import cli
 
 
@@ -47,6 +48,7 @@ def run_config(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    cuda_context.start_cuda_context()  # the GPU made ready while the libraries import
     config, files = run_config(args)
     cli.print_run_config(config)
     from ..training import workflows

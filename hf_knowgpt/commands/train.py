@@ -15,6 +15,7 @@ prefix (--pretrain_max_epochs, --finetune_learning_rate); the others apply to bo
 
 import argparse
 
+from ..utils import cuda_context
 from . import cli
 
 
@@ -76,6 +77,7 @@ def main(argv=None):
     timeline.reset()
     timeline.mark("interpreter and command start-up")
     args = parse_args(argv)
+    cuda_context.start_cuda_context()  # the GPU made ready while the libraries import
     config, files = run_config(args)
     cli.print_run_config(config)
     timeline.mark("flags read, recipe resolved (first imports of torch and transformers)")
