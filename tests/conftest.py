@@ -27,6 +27,10 @@ needs_data = pytest.mark.skipif(not HAS_DATA, reason=f"CS224N data not present i
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ATTENTION_TYPES = ["vanilla", "rope", "synthesizer", "perceiver"]
+# The environment of launched processes that must train on CPUs (gloo), as the several-process tests are written
+# for: on a GPU machine each process would take a GPU of its own, and a machine with one GPU has none for the
+# second ("CUDA error: invalid device ordinal").
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 # The Triton kernels (hf_knowgpt.kernels) run on a CUDA device, or on the CPU under Triton's interpreter.
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -138,6 +138,41 @@ def test_a_function_that_cannot_compile_whole_compiles_the_default_way(tmp_path,
     assert not (tmp_path / "f.functions").exists()
 
 
+class _ScaledDropout(torch.nn.Module):
+    def __init__(self, rate):
+        super().__init__()
+        self.rate, self.linear = rate, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.linear(x), self.rate, training=False).sum() * (1 - self.rate)
+
+
+def _call(module, x):
+    return module(x)
+
+
+def test_modules_with_other_float_attributes_each_compile_whole():
+    """A second module whose float attribute (a dropout rate) differs, compiled in the same process with automatic
+    dynamic shapes: dynamo would make the float symbolic and restart its analysis, which `aot_compile` does not
+    do (the second call fell back, through an error with an empty message). Floats are compiled as constants."""
+    x = torch.randn(4, 8)
+    for rate in (0.5, 0.25, 0.125):
+        module = _ScaledDropout(rate)
+        compiled = compile_cache.PrecompiledFunction(_call, f"rate {rate}", dynamic=None)
+        assert torch.allclose(compiled(module, x), module(x))
+        assert len(compiled.entries) == 1 and compiled.fallback is None
+
+
+def test_an_error_without_a_message_still_falls_back(monkeypatch, caplog):
+    def fails(self, args, kwargs):
+        raise RuntimeError()
+
+    monkeypatch.setattr(compile_cache.PrecompiledFunction, "_compile", fails)
+    compiled = compile_cache.PrecompiledFunction(torch.cos, "cos")
+    assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
+    assert "cos could not be compiled whole ahead of its call (RuntimeError: )" in caplog.text
+
+
 def test_a_damaged_functions_file_is_skipped(tmp_path, caplog):
     compiled = compile_cache.PrecompiledFunction(torch.sin, "sin")
     assert not compile_cache.load_functions(tmp_path / "absent.functions", [compiled])

@@ -26,7 +26,7 @@ from hf_knowgpt.kernels.fused_attention import fused_attention_available
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData, VariantRows
 from hf_knowgpt.training.fast_path import GraphedStepper, resolve_training_path
-from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
+from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator, share_device_learning_rate
 
 BLOCK = 64
 TOLERANCE = 1e-5  # fp32: only the summation order differs (fused vs unfused attention, packed vs padded)
@@ -640,6 +640,36 @@ def test_bf16_sums_register_ddps_bf16_hook_for_the_eager_path():
     bf16 = make_accelerator(TrainingArguments(output_dir="o", gradient_reduce_dtype="bf16"), cpu=True)
     assert fp32.ddp_handler is None
     assert bf16.ddp_handler.comm_hook == DDPCommunicationHookType.BF16
+
+
+def test_a_resumed_optimizer_gets_one_learning_rate_tensor_again(tmp_path):
+    """The graphed step writes one learning-rate tensor that every parameter group reads. A checkpoint's optimizer
+    state, loaded as accelerate loads it (onto the CPU), gives the groups the saved rate instead, a CPU tensor:
+    on a GPU the capture then failed ("Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
+    import io
+
+    from hf_knowgpt.training.optimization import handout_parameter_groups
+
+    def optimizer():
+        model = fresh_model(30)
+        rate = torch.tensor(3e-3)
+        made = torch.optim.AdamW(handout_parameter_groups(model, 0.1), lr=rate, capturable=True)
+        share_device_learning_rate(made, torch.device("cpu"))
+        return made
+
+    saved = optimizer()
+    saved.param_groups[0]["lr"].fill_(1e-3)  # as the graph leaves it mid-run
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    resumed = optimizer()
+    resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), map_location="cpu"))
+    loaded = [group["lr"] for group in resumed.param_groups]
+    assert len(loaded) == 2 and loaded[0] is not saved.param_groups[0]["lr"]
+    shared = share_device_learning_rate(resumed, torch.device("cpu"))
+    assert all(group["lr"] is shared for group in resumed.param_groups)
+    assert shared.item() == pytest.approx(1e-3) and shared.dtype == torch.float32
+    shared.fill_(5e-4)  # what the captured step does: every group follows
+    assert all(group["lr"].item() == pytest.approx(5e-4) for group in resumed.param_groups)
 
 
 def test_auto_compiles_only_where_an_earlier_run_saved_its_artifacts(pretraining_data, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, replace
 
 import pytest
-from conftest import HAS_DATA, REPO_ROOT, write_cs224n_named_synthetic
+from conftest import DATA_DIR, HAS_DATA, REPO_ROOT, write_cs224n_named_synthetic
 
 from hf_knowgpt.commands import finetune as FINETUNE
 from hf_knowgpt.commands import pretrain as PRETRAIN
@@ -326,8 +326,9 @@ def readme_command(marker: str, script: str = "scripts/train.py") -> list[str]:
 
 def test_reproduce_runs_the_readme_knowledge_command(data, tmp_path):
     argv = readme_command("scripts/train.py --recipe knowledge")
-    if not HAS_DATA:  # the README's --data_dir is ../shared/data; the synthetic stand-in has the same file names
-        argv[argv.index("--data_dir") + 1] = str(data["dir"])
+    # The README's --data_dir is ../shared/data: here, wherever the CS224N files are (KNOWGPT_DATA on the GPU
+    # machine), or the synthetic stand-in with the same file names.
+    argv[argv.index("--data_dir") + 1] = str(DATA_DIR if HAS_DATA else data["dir"])
     readme = resolve(TRAIN, argv)
     # the results table's knowledge row, as the README's reproduction command builds it
     reproduction = readme_command("benchmarks/reproduce.py", script="benchmarks/reproduce.py")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DEV_TSV, REPO_ROOT, needs_data
+from conftest import CPU_ONLY, DEV_TSV, REPO_ROOT, needs_data
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, pipeline
 
@@ -193,12 +193,12 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
 def test_two_processes_under_accelerate_train_like_one(corpus, tmp_path):
     common = ["--pretrain_corpus_path", corpus.corpus, "--max_epochs", 2, "--batch_size", 16, *TINY_MODEL,
               "--embd_pdrop", 0, "--resid_pdrop", 0, "--attn_pdrop", 0]  # fmt: skip
-    run_script(SCRIPTS / "pretrain.py", *common, "--output_dir", tmp_path / "one")
+    run_script(SCRIPTS / "pretrain.py", *common, "--output_dir", tmp_path / "one", env=CPU_ONLY)
     # Without MPI, accelerate's --cpu launcher starts one process; --multi_gpu starts them with torchrun, and
-    # on a machine without GPUs they train together on CPUs (gloo).
+    # with no GPU visible they train together on CPUs (gloo).
     launcher = (sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no")  # fmt: skip
-    run_script(SCRIPTS / "pretrain.py", *common, "--output_dir", tmp_path / "two", launcher=launcher)
+    run_script(SCRIPTS / "pretrain.py", *common, "--output_dir", tmp_path / "two", launcher=launcher, env=CPU_ONLY)
     one = json.loads((tmp_path / "one" / "train_results.json").read_text())
     two = json.loads((tmp_path / "two" / "train_results.json").read_text())
     assert two["num_processes"] == 2 and one["num_processes"] == 1
@@ -221,7 +221,7 @@ def test_the_one_command_runs_a_whole_recipe_in_two_processes(corpus, tmp_path):
                         "--pretrain_batch_size", 16, "--finetune_batch_size", 16, "--pretrain_corpus_path", corpus.corpus,
                         "--train_corpus_path", corpus.train, "--eval_corpus_path", corpus.dev, "--test_corpus_path",
                         corpus.test, "--pretrain_max_epochs", 2, "--finetune_max_epochs", 1, "--output_dir",
-                        tmp_path / "run", launcher=launcher)  # fmt: skip
+                        tmp_path / "run", launcher=launcher, env=CPU_ONLY)  # fmt: skip
     assert result.stdout.count("Correct: ") == 1 and result.stdout.count("run configuration: recipe") == 1
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["stages"]["pretrain"]["num_processes"] == 2 and results["dev"]["total"] == 12
@@ -384,7 +384,9 @@ def test_stop_after_steps_runs_the_start_of_the_whole_schedule(corpus, tmp_path)
 
 
 def test_resume_continues_exactly_where_an_interrupted_run_stopped(corpus, tmp_path, monkeypatch):
-    model, _ = pretrain_in_process(corpus, tmp_path / "straight")
+    """On the eager path, whose every step the test can interrupt; a GPU's graphed path is resumed by
+    test_a_killed_run_leaves_the_last_checkpoint_loadable_and_resumable."""
+    model, _ = pretrain_in_process(corpus, tmp_path / "straight", training_path="eager")
     straight = {k: v.clone() for k, v in model.state_dict().items()}
 
     original_step = KnowGPTTrainer.optimizer_step
@@ -396,15 +398,17 @@ def test_resume_continues_exactly_where_an_interrupted_run_stopped(corpus, tmp_p
             signal.raise_signal(signal.SIGTERM)
         return original_step(self, *args)
 
-    monkeypatch.setattr(KnowGPTTrainer, "optimizer_step", step_then_signal)
+    monkeypatch.setattr(KnowGPTTrainer, "optimizer_step", step_then_signal)  # the eager path's step
     with pytest.raises(workflows.TrainingInterrupted):
-        pretrain_in_process(corpus, tmp_path / "resumed")
+        pretrain_in_process(corpus, tmp_path / "resumed", training_path="eager")
     monkeypatch.setattr(KnowGPTTrainer, "optimizer_step", original_step)
     checkpoints = list_checkpoints(tmp_path / "resumed")
     assert [c.name for c in checkpoints] == ["checkpoint-5"]
     assert not (tmp_path / "resumed" / "config.json").exists()  # no final model from an interrupted run
 
-    model, metrics = pretrain_in_process(corpus, tmp_path / "resumed", resume_from_checkpoint="latest")
+    model, metrics = pretrain_in_process(
+        corpus, tmp_path / "resumed", resume_from_checkpoint="latest", training_path="eager"
+    )
     assert metrics["global_step"] == 12
     for name, value in model.state_dict().items():
         assert torch.equal(value, straight[name]), name

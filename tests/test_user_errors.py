@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from conftest import CPU_ONLY, REPO_ROOT
 
 from data_loaders import write_synthetic_corpus
 
@@ -81,7 +81,7 @@ def test_a_user_error_is_reported_once_under_accelerate_launch(tmp_path):
     one = run(*args, launcher=[*LAUNCH, "--num_processes", "1", "--quiet"])
     assert sum(line.startswith("error: ") for line in one.stderr.splitlines()) == 1 and "Traceback" not in one.stderr
     # two processes: the line comes from the first only (torchrun adds its own report of the failed processes)
-    two = run(*args, launcher=[*LAUNCH, "--multi_gpu", "--num_processes", "2"])
+    two = run(*args, launcher=[*LAUNCH, "--multi_gpu", "--num_processes", "2"], env=CPU_ONLY)
     assert two.returncode != 0
     assert sum(line.startswith("error: ") for line in two.stderr.splitlines()) == 1, two.stderr[-3000:]
 
@@ -90,7 +90,7 @@ def test_bf16_gradient_sums_are_refused_on_cpu_processes_before_anything_is_writ
     """torch's bf16 hook for DDP runs with NCCL only: two CPU processes (gloo) are told so, and write nothing."""
     result = run(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", tmp_path / "out",
                  "--max_epochs", 1, *TINY, "--gradient_reduce_dtype", "bf16",
-                 launcher=[*LAUNCH, "--multi_gpu", "--num_processes", "2"])  # fmt: skip
+                 launcher=[*LAUNCH, "--multi_gpu", "--num_processes", "2"], env=CPU_ONLY)  # fmt: skip
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "gradient_reduce_dtype" in lines[0] and "NCCL" in lines[0], result.stderr[-3000:]
@@ -192,10 +192,12 @@ def test_contradictory_flags_are_one_line(corpus, tmp_path):
 
 
 def test_run_py_never_replaces_a_run_unasked_and_resumes_after_ctrl_c(corpus, tmp_path):
+    """On the CPU wherever the test runs: the interruption lands 3 s into the training, which a GPU finishes sooner."""
     params = tmp_path / "vanilla.pretrain.params"
     command = [sys.executable, str(SCRIPTS / "run.py"), "pretrain", "vanilla", str(corpus.corpus),
                "--writing_params_path", str(params), "--max_epochs", "30"]  # fmt: skip
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **CPU_ONLY})  # fmt: skip
     deadline = time.time() + 300
     while time.time() < deadline and not (params / "training_args.json").exists():
         time.sleep(0.2)
@@ -206,14 +208,14 @@ def test_run_py_never_replaces_a_run_unasked_and_resumes_after_ctrl_c(corpus, tm
     assert "resume with the same command and --resume_from_checkpoint latest" in stdout and "Traceback" not in stderr
     before = snapshot(params)
 
-    occupied = run(*command[1:])
+    occupied = run(*command[1:], env=CPU_ONLY)
     assert_one_line_error(occupied, params, "already holds a run", "--overwrite_output_dir")
     assert snapshot(params) == before
-    resumed = run(*command[1:], "--resume_from_checkpoint", "latest")
+    resumed = run(*command[1:], "--resume_from_checkpoint", "latest", env=CPU_ONLY)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from" in resumed.stdout
     assert json.loads((params / "train_results.json").read_text())["global_step"] == 30  # 30 epochs of 1 batch
-    replaced = run(*command[1:], "--max_epochs", "1", "--overwrite_output_dir")
+    replaced = run(*command[1:], "--max_epochs", "1", "--overwrite_output_dir", env=CPU_ONLY)
     assert replaced.returncode == 0, replaced.stderr[-3000:]
     assert json.loads((params / "train_results.json").read_text())["global_step"] == 1
 

@@ -128,7 +128,7 @@ class PrecompiledFunction:
             except Exception as error:  # the default way traces and compiles what it can
                 logger.warning(
                     "%s could not be compiled whole ahead of its call (%s: %s); compiled the default way, and "
-                    "later processes trace it again", self.name, type(error).__name__, str(error).splitlines()[0]
+                    "later processes trace it again", self.name, type(error).__name__, next(iter(str(error).splitlines()), "")
                 )  # fmt: skip
                 self.fallback = torch.compile(self.function, dynamic=self.dynamic, options=self.options)
             else:
@@ -144,9 +144,12 @@ class PrecompiledFunction:
         for position, dimension in self.dynamic_arguments.items():
             examples[position] = args[position].clone()
             torch._dynamo.mark_dynamic(examples[position], dimension)
-        with torch._dynamo.config.patch(enable_aot_compile=True):  # what adds `aot_compile` (experimental)
+        # `enable_aot_compile` adds `aot_compile` (experimental). Floats are compiled as constants: dynamo makes a
+        # float symbolic once it has seen another value for it in the same code (a second model with another
+        # dropout rate, in one process), and then restarts its analysis, which `aot_compile` does not do.
+        with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True):
             compiler = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic, options=self.options)
-        entry = compiler.aot_compile((tuple(examples), kwargs))
+            entry = compiler.aot_compile((tuple(examples), kwargs))
         entry.disable_guard_check()  # `__call__` checked them
         return entry
 

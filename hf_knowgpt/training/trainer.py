@@ -214,6 +214,17 @@ class TrainingResult:
     compiled: bool = False  # whether the step ran compiled (with compile="auto": whether it was saved before)
 
 
+def share_device_learning_rate(optimizer, device) -> torch.Tensor:
+    """Give every parameter group of `optimizer` one learning-rate tensor on `device`, holding the first group's
+    rate, and return it: a captured step sets it in place for all groups. Loading an optimizer's state (a
+    resumed run) replaces each group's rate with the saved one, a CPU tensor of its own, which a CUDA graph
+    can neither write nor read."""
+    shared = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
+    for group in optimizer.param_groups:
+        group["lr"] = shared
+    return shared
+
+
 class KnowGPTTrainer:
     """The training loop. `save_callback(directory, model)` writes the export files (tokenizer, model card)
     next to the weights of every checkpoint and of the final model."""
@@ -389,8 +400,7 @@ class KnowGPTTrainer:
             capturable=graphed,
         )
         if graphed:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            share_device_learning_rate(optimizer, device)
         return optimizer
 
     def train(self) -> TrainingResult:
@@ -457,6 +467,8 @@ class KnowGPTTrainer:
         self.optimizer, self.scheduler = optimizer, scheduler
         self.loss_curve = []
         start_step = self._resume_step()
+        if path == "graphed" and start_step:  # the loaded state gave each group the saved rate, on the CPU
+            share_device_learning_rate(optimizer, device)
         if args.report_to:  # each stage's logs in its own output_dir/runs, where transformers' Trainer puts them
             accelerator.project_configuration.logging_dir = str(tracking_dir(args))
             accelerator.init_trackers(args.run_name, config={k: str(v) for k, v in asdict(args).items()})
