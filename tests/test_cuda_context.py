@@ -9,8 +9,9 @@ from hf_knowgpt.utils import cuda_context
 @pytest.fixture(autouse=True)
 def no_thread_yet(monkeypatch):
     monkeypatch.setattr(cuda_context, "_context_thread", None)
-    for name in ("KNOWGPT_EARLY_CUDA", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+    for name in ("LOCAL_RANK", "ACCELERATE_USE_CPU"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KNOWGPT_EARLY_CUDA", "1")  # asked for (off by default)
 
 
 @pytest.fixture
@@ -40,11 +41,15 @@ def test_the_device_the_user_named_is_the_one_made(retained, device, index):
 
 @pytest.mark.parametrize(
     "device, environment",
-    [("cpu", {}), ("mps", {}), (None, {"KNOWGPT_EARLY_CUDA": "0"}), (None, {"ACCELERATE_USE_CPU": "true"})],
-)
-def test_no_context_where_no_gpu_is_wanted(retained, monkeypatch, device, environment):
+    [("cpu", {}), ("mps", {}), (None, {"KNOWGPT_EARLY_CUDA": "0"}), (None, {"KNOWGPT_EARLY_CUDA": None}),
+     (None, {"ACCELERATE_USE_CPU": "true"})],
+)  # fmt: skip
+def test_no_context_where_no_gpu_is_wanted_or_unasked(retained, monkeypatch, device, environment):
     for name, value in environment.items():
-        monkeypatch.setenv(name, value)
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
     assert cuda_context.start_cuda_context(device) is None
     assert retained == []
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What creating the CUDA context on a thread of its own (`hf_knowgpt.utils.cuda_context`) saves a user: the
-README's commands as whole processes, with the thread (as they run) and without it (`KNOWGPT_EARLY_CUDA=0`),
-alternating round after round on one GPU; a table printed last.
+README's commands as whole processes, with the thread (`KNOWGPT_EARLY_CUDA=1`) and without it (`=0`, as they
+run by default), alternating round after round on one GPU; a table printed last.
 
     python benchmarks/diagnostics/cuda_context_overlap.py --data_dir .data --rounds 3 --output OUT.json
 

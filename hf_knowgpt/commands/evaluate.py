@@ -39,7 +39,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cuda_context.start_cuda_context(args.device)  # the GPU made ready while the libraries import
+    cuda_context.start_cuda_context(args.device)  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     from ..analysis.evaluation import evaluate_birthplaces
 
     result = evaluate_birthplaces(

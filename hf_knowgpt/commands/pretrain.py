@@ -40,7 +40,7 @@ def run_config(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    cuda_context.start_cuda_context()  # the GPU made ready while the libraries import
+    cuda_context.start_cuda_context()  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     config, files = run_config(args)
     cli.print_run_config(config)
     from ..training import workflows

@@ -77,7 +77,7 @@ def main(argv=None):
     timeline.reset()
     timeline.mark("interpreter and command start-up")
     args = parse_args(argv)
-    cuda_context.start_cuda_context()  # the GPU made ready while the libraries import
+    cuda_context.start_cuda_context()  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     config, files = run_config(args)
     cli.print_run_config(config)
     timeline.mark("flags read, recipe resolved (first imports of torch and transformers)")

@@ -1,14 +1,17 @@
-"""Creating a process's CUDA context on a thread of its own while the process goes on importing.
+"""Creating a process's CUDA context on a thread of its own while the process goes on importing: off unless
+`KNOWGPT_EARLY_CUDA=1`.
 
-Why: a process's first CUDA call spends a few tenths of a second in the driver (loading it, finding the
-devices, creating the device's primary context), and the imports that come after torch's (transformers'
+Why it exists: a process's first CUDA call spends a few tenths of a second in the driver (loading it, finding
+the devices, creating the device's primary context), and the imports that come after torch's (transformers'
 `modeling_utils` alone takes seconds) need no GPU. The thread calls the driver API itself through ctypes,
-which lets go of Python's lock for each call, so the driver's work and the imports overlap; torch's own
-CUDA initialization later finds the driver loaded and the primary context made (the one the CUDA runtime
-uses). Made through torch on the thread instead, the context held Python's lock as long as it saved: on
-an H200 the imports took 0.5–0.7 s longer and the device's set-up 0.2–0.45 s less
-(benchmarks/diagnostics/cuda_context_overlap.py). `KNOWGPT_EARLY_CUDA=0` leaves everything to torch's
-first CUDA call.
+which lets go of Python's lock for each call, so the driver's work and the imports overlap; torch's own CUDA
+initialization later finds the driver loaded and the primary context made (the one the CUDA runtime uses).
+
+Why it is off: on an H200 (benchmarks/diagnostics/cuda_context_overlap.py, benchmarks/RESULTS.md) the first
+CUDA tensor after the imports came 0.3 s sooner, yet the whole warm `scripts/train.py` took 1.2–1.5 s longer
+in both rounds, several of its host-side phases (saving, reading the questions) 0.1–0.2 s each, for a
+reason not found yet. Made through torch on the thread instead, the context held Python's lock as long as
+it saved.
 """
 
 import ctypes
@@ -59,13 +62,13 @@ def _retain_primary_context(index: int) -> bool:
 
 def start_cuda_context(device=None) -> threading.Thread | None:
     """Make device `device`'s CUDA context (see `_wanted_device_index`) on a daemon thread, once per process,
-    and return that thread (None when no CUDA device is wanted). Nothing is reported from the thread: a
+    and return that thread (None unless `KNOWGPT_EARLY_CUDA=1`, or when no CUDA device is wanted). Nothing is reported from the thread: a
     device that cannot be used fails the command's own first CUDA call, with the error where the user
     expects it."""
     global _context_thread
     if _context_thread is not None:
         return _context_thread
-    if os.environ.get("KNOWGPT_EARLY_CUDA", "1") == "0":
+    if os.environ.get("KNOWGPT_EARLY_CUDA", "0") != "1":
         return None
     index = _wanted_device_index(device)
     if index is None:
