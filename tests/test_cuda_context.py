@@ -1,5 +1,7 @@
 """The CUDA context made on a thread while a command imports (hf_knowgpt.utils.cuda_context)."""
 
+import os
+
 import pytest
 import torch
 
@@ -26,9 +28,11 @@ def retained(monkeypatch):
 
 def test_the_context_is_made_once_for_the_process_device(retained, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")  # the second process of accelerate launch uses cuda:1
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     thread = cuda_context.start_cuda_context()
     thread.join()
     assert retained == [1]
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # what torch would have set before initializing the driver
     assert cuda_context.start_cuda_context() is thread
     assert retained == [1]
 

@@ -10,8 +10,10 @@ initialization later finds the driver loaded and the primary context made (the o
 Why it is off: on an H200 (benchmarks/diagnostics/cuda_context_overlap.py, benchmarks/RESULTS.md) the first
 CUDA tensor after the imports came 0.3 s sooner, yet the whole warm `scripts/train.py` took 1.2–1.5 s longer
 in both rounds, several of its host-side phases (saving, reading the questions) 0.1–0.2 s each, for a
-reason not found yet. Made through torch on the thread instead, the context held Python's lock as long as
-it saved.
+reason not found yet. A candidate: the driver was initialized before torch's initialization sets
+`CUDA_MODULE_LOADING=LAZY` where the user has not set it, which the driver reads once; the thread now sets
+that default first (not yet measured). Made through torch on the thread instead, the context held Python's
+lock as long as it saved.
 """
 
 import ctypes
@@ -62,9 +64,9 @@ def _retain_primary_context(index: int) -> bool:
 
 def start_cuda_context(device=None) -> threading.Thread | None:
     """Make device `device`'s CUDA context (see `_wanted_device_index`) on a daemon thread, once per process,
-    and return that thread (None unless `KNOWGPT_EARLY_CUDA=1`, or when no CUDA device is wanted). Nothing is reported from the thread: a
-    device that cannot be used fails the command's own first CUDA call, with the error where the user
-    expects it."""
+    and return that thread (None unless `KNOWGPT_EARLY_CUDA=1`, or when no CUDA device is wanted). Nothing
+    is reported from the thread: a device that cannot be used fails the command's own first CUDA call, with
+    the error where the user expects it."""
     global _context_thread
     if _context_thread is not None:
         return _context_thread
@@ -73,6 +75,7 @@ def start_cuda_context(device=None) -> threading.Thread | None:
     index = _wanted_device_index(device)
     if index is None:
         return None
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")  # torch's default, read by the driver at cuInit
     _context_thread = threading.Thread(target=_retain_primary_context, args=(index,), name="cuda-context", daemon=True)
     _context_thread.start()
     return _context_thread
