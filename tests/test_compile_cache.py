@@ -87,6 +87,8 @@ PRECOMPILED_STEP = textwrap.dedent(
         return torch.nn.functional.cross_entropy(torch.nn.functional.gelu(layer(inputs)), targets)
 
     path = Path(sys.argv[1])
+    torch._inductor.config.compile_threads = 2  # as on a machine of several cores, whatever this one has
+    threads = []
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)
     compiled = PrecompiledFunction(step, "step", dynamic_arguments={1: 0, 2: 0})
@@ -95,13 +97,14 @@ PRECOMPILED_STEP = textwrap.dedent(
     for rows in (4, 6, 9):
         inputs, targets = torch.randn(rows, 16), torch.randint(0, 8, (rows,))
         loss = compiled(layer, inputs, targets)
+        threads.append(torch._inductor.config.compile_threads)
         loss.backward()
         losses.append(loss.item())
         assert abs(loss.item() - step(layer, inputs, targets).item()) < 1e-6
     saved = save_functions(path, [compiled])
     print(json.dumps({"loaded": loaded, "saved": saved, "entries": len(compiled.entries),
                       "traced": counters["stats"].get("calls_captured", 0), "losses": losses,
-                      "gradient": layer.weight.grad.tolist()}))
+                      "gradient": layer.weight.grad.tolist(), "compile_threads": threads}))
     """
 )
 
@@ -110,7 +113,7 @@ def test_a_later_process_loads_the_traced_function_and_traces_nothing(tmp_path):
     """`PrecompiledFunction` keeps what dynamo traced: a process that loads the functions file runs the step
     without tracing it, one graph for every batch size, and computes what the first process computed. Its
     inductor cache is empty, so the graph comes from the file alone (on a CPU its C++ kernels are built again
-    from the code the file holds)."""
+    from the code the file holds, with one compile thread: no pool of compile workers is started)."""
     path = tmp_path / "step.functions"
     runs = []
     for name in ("first", "later"):
@@ -123,6 +126,7 @@ def test_a_later_process_loads_the_traced_function_and_traces_nothing(tmp_path):
     assert not first["loaded"] and first["saved"] and first["traced"] > 0 and first["entries"] == 1
     assert later["loaded"] and not later["saved"] and later["traced"] == 0 and later["entries"] == 1
     assert later["losses"] == first["losses"] and later["gradient"] == first["gradient"]
+    assert first["compile_threads"] == [2, 2, 2] and later["compile_threads"] == [1, 1, 1]
 
 
 def test_a_function_that_cannot_compile_whole_compiles_the_default_way(tmp_path, caplog):
@@ -161,6 +165,38 @@ def test_modules_with_other_float_attributes_each_compile_whole():
         compiled = compile_cache.PrecompiledFunction(_call, f"rate {rate}", dynamic=None)
         assert torch.allclose(compiled(module, x), module(x))
         assert len(compiled.entries) == 1 and compiled.fallback is None
+
+
+def _sine(x):
+    return torch.sin(x)
+
+
+def _cosine(x):
+    return torch.cos(x)
+
+
+def test_compile_threads_come_back_before_anything_is_compiled_anew(tmp_path, monkeypatch):
+    """Loading a functions file leaves inductor one compile thread; a function the file does not cover gives the
+    threads back before it compiles. A thread count the user set is never touched."""
+    from torch._inductor import config
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    saved = compile_cache.PrecompiledFunction(_sine, "sine")
+    saved(torch.zeros(2))
+    path = tmp_path / "f.functions"
+    assert compile_cache.save_functions(path, [saved])
+    with config.patch(compile_threads=3):
+        loaded, uncovered = (compile_cache.PrecompiledFunction(_sine, "sine"),
+                             compile_cache.PrecompiledFunction(_cosine, "cosine"))  # fmt: skip
+        assert compile_cache.load_functions(path, [loaded, uncovered])
+        assert config.compile_threads == 1
+        loaded(torch.zeros(2))  # its loaded entry: nothing compiled
+        assert config.compile_threads == 1 and not loaded.compiled_anew
+        assert torch.equal(uncovered(torch.zeros(2)), torch.ones(2))
+        assert config.compile_threads == 3 and uncovered.compiled_anew
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+        assert compile_cache.load_functions(path, [compile_cache.PrecompiledFunction(_sine, "sine")])
+        assert config.compile_threads == 3
 
 
 def test_an_error_without_a_message_still_falls_back(monkeypatch, caplog):

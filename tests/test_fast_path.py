@@ -26,7 +26,7 @@ from hf_knowgpt.kernels.fused_attention import fused_attention_available
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData, VariantRows
 from hf_knowgpt.training.fast_path import GraphedStepper, resolve_training_path
-from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator, share_device_learning_rate
+from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
 
 BLOCK = 64
 TOLERANCE = 1e-5  # fp32: only the summation order differs (fused vs unfused attention, packed vs padded)
@@ -648,7 +648,7 @@ def test_a_resumed_optimizer_gets_one_learning_rate_tensor_again(tmp_path):
     on a GPU the capture then failed ("Cannot copy between CPU and CUDA tensors during CUDA graph capture")."""
     import io
 
-    from hf_knowgpt.training.optimization import handout_parameter_groups
+    from hf_knowgpt.training.optimization import handout_parameter_groups, share_device_learning_rate
 
     def optimizer():
         model = fresh_model(30)

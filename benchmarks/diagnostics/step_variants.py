@@ -30,7 +30,9 @@ and guards, so that a warm run need not trace again (`caching-precompile`,
 `results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
 traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
-traced step's file is there (`functions-only`: what loading them costs a warm run); parts of the compiled step left uncompiled:
+traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads left
+as they are while the step loads, so that its pool of compile workers starts (`compile-workers-when-loaded`,
+`compile_cache._compile_in_this_process`); parts of the compiled step left uncompiled:
 its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
 (`eager-clip`), both (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). On a CPU, for instance:
@@ -69,6 +71,7 @@ VARIANTS = {
     "caching-precompile": {"dynamo": {"caching_precompile": True}},
     "traced-every-run": {"traced_every_run": True},
     "functions-only": {"functions_only": True},
+    "compile-workers-when-loaded": {"compile_workers_when_loaded": True},
     "no-memory-reuse": {"memory_reuse": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
@@ -110,6 +113,10 @@ def run_one(variant: str, train_args: list[str]) -> None:
         fast_path.load_artifacts = lambda path: (
             False if compile_cache.functions_file(path).is_file() else load_artifacts(path)
         )
+    if settings.get("compile_workers_when_loaded"):  # inductor's pool of compile workers started by loading, as before
+        from hf_knowgpt.training import compile_cache
+
+        compile_cache._compile_in_this_process = lambda: None
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):

@@ -12,7 +12,9 @@ Those caches hold what inductor and AOTAutograd made of a traced graph, not the 
 that finds everything there still has dynamo trace the step's Python bytecode, most of a warm run's
 compilation (benchmarks/RESULTS.md). `PrecompiledFunction` compiles a function whole ahead of its call
 (`torch.compile(...).aot_compile`), and `save_functions` keeps dynamo's output too, guards and bytecode, in a
-second file beside the artifacts (`functions_file`), which a later process loads instead of tracing.
+second file beside the artifacts (`functions_file`), which a later process loads instead of tracing. While it
+loads them, inductor runs with one compile thread (`load_functions`): it would otherwise start its pool of
+compile workers for code whose kernels all come from its caches, and wait for the pool's shutdown at exit.
 """
 
 import hashlib
@@ -95,6 +97,37 @@ def save_artifacts(path: Path) -> bool:
     return artifacts is not None and _write_whole(path, artifacts[0], "compiled artifacts")
 
 
+# Inductor's compile threads as they were before `load_functions` left one, to be given back before anything is
+# compiled anew (None: nothing to give back).
+_compile_threads_before_loading: int | None = None
+
+
+def _compile_in_this_process() -> None:
+    """One inductor compile thread, in this process, while a step is loaded from files. Code that inductor loads
+    starts its pool of compile workers (a process of `compile_threads` workers) as soon as it names a kernel,
+    even where every kernel comes from the caches; the pool's start competes with the run, and the process
+    waits for its shutdown at exit (1.0–1.2 s of a warm compiled run against 0.1 s with one thread on an
+    H100, benchmarks/RESULTS.md). A thread count the user set (TORCHINDUCTOR_COMPILE_THREADS) is kept."""
+    global _compile_threads_before_loading
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ or _compile_threads_before_loading is not None:
+        return
+    from torch._inductor import config
+    from torch._inductor.async_compile import get_compile_threads
+
+    _compile_threads_before_loading = get_compile_threads()
+    config.compile_threads = 1
+
+
+def _allow_compile_workers() -> None:
+    """Give inductor back the compile threads `_compile_in_this_process` took, before compiling anew."""
+    global _compile_threads_before_loading
+    if _compile_threads_before_loading is not None:
+        from torch._inductor import config
+
+        config.compile_threads = _compile_threads_before_loading
+        _compile_threads_before_loading = None
+
+
 class PrecompiledFunction:
     """`function` compiled whole (no graph break) ahead of its first call, by `torch.compile(...).aot_compile`,
     so that what dynamo traced can be kept and loaded by a later process (`load`, `serialized`).
@@ -123,6 +156,7 @@ class PrecompiledFunction:
             for entry in self.entries:
                 if entry.guard_check(*args, **kwargs):
                     return entry(*args, **kwargs)
+            _allow_compile_workers()  # what was loaded does not cover this call: compile with every thread
             try:
                 entry = self._compile(args, kwargs)
             except Exception as error:  # the default way traces and compiles what it can
@@ -171,9 +205,12 @@ def functions_file(artifacts: Path) -> Path:
 
 def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
     """Load into `functions` the entries saved for them in `path` (by name); whether there were any. A file that
-    cannot be read or loaded (damaged, another version) is reported and skipped: each function compiles anew."""
+    cannot be read or loaded (damaged, another version) is reported and skipped: each function compiles anew.
+    Where the file exists, inductor keeps one compile thread from here until a function compiles anew
+    (`_compile_in_this_process`)."""
     if not path.is_file():
         return False
+    _compile_in_this_process()  # until something must be compiled anew (`PrecompiledFunction.__call__`)
     try:
         saved = pickle.loads(path.read_bytes())
         loaded = [(function, saved.get(function.name, [])) for function in functions]
@@ -184,6 +221,7 @@ def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
                        str(error).splitlines()[0] if str(error) else "")  # fmt: skip
         for function in functions:
             function.entries.clear()
+        _allow_compile_workers()
         return False
     return any(serialized for _, serialized in loaded)
 

@@ -1,4 +1,5 @@
-"""The handouts' optimizer groups and learning-rate schedule (minGPT's trainer), step by step.
+"""The handouts' optimizer groups and learning-rate schedule (minGPT's trainer), step by step, and the one
+learning-rate tensor a captured step sets for all groups (`share_device_learning_rate`).
 
 The handout trainer counts tokens after each step (every target position, padding included: 127 per
 example) and sets the rate for the next step from them, so the first step runs at the full rate.
@@ -43,4 +44,21 @@ def handout_parameter_groups(model: torch.nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-__all__ = ["handout_lr_multiplier", "handout_lr_multipliers", "handout_parameter_groups", "rows_per_step"]
+def share_device_learning_rate(optimizer, device) -> torch.Tensor:
+    """Give every parameter group of `optimizer` one learning-rate tensor on `device`, holding the first group's
+    rate, and return it: a captured step sets it in place for all groups. Loading an optimizer's state (a
+    resumed run) replaces each group's rate with the saved one, a CPU tensor of its own, which a CUDA graph
+    can neither write nor read."""
+    shared = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
+    for group in optimizer.param_groups:
+        group["lr"] = shared
+    return shared
+
+
+__all__ = [
+    "handout_lr_multiplier",
+    "handout_lr_multipliers",
+    "handout_parameter_groups",
+    "rows_per_step",
+    "share_device_learning_rate",
+]

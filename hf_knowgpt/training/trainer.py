@@ -47,7 +47,7 @@ from ..utils.errors import InputError
 from .arguments import TrainingArguments
 from .data import TrainingBatch, packed_token_index
 from .fast_path import EagerStepper, GraphedStepper, PlainStepper, resolve_training_path, reuse_freed_memory
-from .optimization import handout_lr_multipliers, handout_parameter_groups, rows_per_step
+from .optimization import handout_lr_multipliers, handout_parameter_groups, rows_per_step, share_device_learning_rate
 from .progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -212,17 +212,6 @@ class TrainingResult:
     load_seconds: float = 0.0  # loading what earlier processes compiled for the step, before train_seconds
     captures: list = field(default_factory=list)  # {"tokens", "seconds"} of each CUDA graph captured
     compiled: bool = False  # whether the step ran compiled (with compile="auto": whether it was saved before)
-
-
-def share_device_learning_rate(optimizer, device) -> torch.Tensor:
-    """Give every parameter group of `optimizer` one learning-rate tensor on `device`, holding the first group's
-    rate, and return it: a captured step sets it in place for all groups. Loading an optimizer's state (a
-    resumed run) replaces each group's rate with the saved one, a CPU tensor of its own, which a CUDA graph
-    can neither write nor read."""
-    shared = torch.tensor(float(optimizer.param_groups[0]["lr"]), device=device)
-    for group in optimizer.param_groups:
-        group["lr"] = shared
-    return shared
 
 
 class KnowGPTTrainer:
