@@ -97,6 +97,11 @@ def save_artifacts(path: Path) -> bool:
     return artifacts is not None and _write_whole(path, artifacts[0], "compiled artifacts")
 
 
+def _first_line(error: Exception) -> str:
+    """An error's first line for a warning (torch's messages run long; some are empty)."""
+    return next(iter(str(error).splitlines()), "")
+
+
 # Inductor's compile threads as they were before `load_functions` left one, to be given back before anything is
 # compiled anew (None: nothing to give back).
 _compile_threads_before_loading: int | None = None
@@ -162,7 +167,7 @@ class PrecompiledFunction:
             except Exception as error:  # the default way traces and compiles what it can
                 logger.warning(
                     "%s could not be compiled whole ahead of its call (%s: %s); compiled the default way, and "
-                    "later processes trace it again", self.name, type(error).__name__, next(iter(str(error).splitlines()), "")
+                    "later processes trace it again", self.name, type(error).__name__, _first_line(error)
                 )  # fmt: skip
                 self.fallback = torch.compile(self.function, dynamic=self.dynamic, options=self.options)
             else:
@@ -218,7 +223,7 @@ def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
             function.load(serialized)
     except Exception as error:
         logger.warning("precompiled functions in %s not loaded (%s: %s); tracing anew", path, type(error).__name__,
-                       str(error).splitlines()[0] if str(error) else "")  # fmt: skip
+                       _first_line(error))  # fmt: skip
         for function in functions:
             function.entries.clear()
         _allow_compile_workers()
