@@ -12,7 +12,6 @@ its model card.
 import argparse
 
 from ..options import HANDOUT_MAX_NEW_TOKENS
-from ..utils import cuda_context
 from . import cli
 
 
@@ -39,7 +38,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    cuda_context.start_cuda_context(args.device)  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     from ..analysis.evaluation import evaluate_birthplaces
 
     result = evaluate_birthplaces(

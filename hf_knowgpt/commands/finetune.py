@@ -11,7 +11,6 @@ not given takes the --recipe's value.
 
 import argparse
 
-from ..utils import cuda_context
 from . import cli
 
 
@@ -48,7 +47,6 @@ def run_config(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    cuda_context.start_cuda_context()  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     config, files = run_config(args)
     cli.print_run_config(config)
     from ..training import workflows

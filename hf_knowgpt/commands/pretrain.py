@@ -11,7 +11,6 @@ adds resumable checkpoint-N folders. `scripts/train.py` runs a whole recipe in o
 
 import argparse
 
-from ..utils import cuda_context
 from . import cli
 
 
@@ -40,7 +39,6 @@ def run_config(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    cuda_context.start_cuda_context()  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     config, files = run_config(args)
     cli.print_run_config(config)
     from ..training import workflows

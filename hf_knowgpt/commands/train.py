@@ -15,7 +15,6 @@ prefix (--pretrain_max_epochs, --finetune_learning_rate); the others apply to bo
 
 import argparse
 
-from ..utils import cuda_context
 from . import cli
 
 
@@ -77,7 +76,6 @@ def main(argv=None):
     timeline.reset()
     timeline.mark("interpreter and command start-up")
     args = parse_args(argv)
-    cuda_context.start_cuda_context()  # with KNOWGPT_EARLY_CUDA=1: the GPU made ready while importing
     config, files = run_config(args)
     cli.print_run_config(config)
     timeline.mark("flags read, recipe resolved (first imports of torch and transformers)")
