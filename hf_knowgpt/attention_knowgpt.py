@@ -8,8 +8,8 @@ functions they call, chosen by implementation in one registry.
 Each layer forms queries, keys and values and hands them to `attention_function(config, implementation)`:
 "sdpa" (PyTorch's fused kernels), "eager" (the handouts' unfused computation, the one that returns its
 weights) or "triton" (the fused kernel of `hf_knowgpt.kernels` for bf16 training on a GPU, SDPA elsewhere),
-run in the config's `attention_kernel_dtype`. Masks are position based and built by one helper
-(`AttentionContext.visibility`); `TokenGrid` says where the computed tokens sit in the (batch, time) grid
+run in the config's `attention_kernel_dtype`. Masks follow the tokens' order and padding, built by one
+helper (`AttentionContext.visibility`); `TokenGrid` says where the computed tokens sit in the (batch, time) grid
 (all of it, or only the real tokens of packed training).
 """
 
@@ -181,10 +181,14 @@ class LengthGroups:
 class AttentionContext:
     """Positions and visibility shared by every attention layer of one forward call.
 
-    `causal_only` marks the training case (no cache, no padding mask): attention is plain causal
-    over the index and the fused kernels run without an explicit mask. `implementation` is the attention
-    implementation of this call: the config's, or "eager" when the attention weights are asked for.
-    `fused_layers`: the blocks' fused residual kernels run this call (`KnowGPTModel.fused_layers`).
+    Positions place tokens for what encodes them (the position embedding, rope's rotation, the synthesizer's
+    keys): `position_ids` where given. Visibility follows the tokens' order alone, as in transformers'
+    models: a key is visible when it is real and not after the query (`query_order`, `key_order`: each
+    token's index among the row's real tokens; the positions, when not given). `causal_only` marks the
+    training case (no cache, no padding mask): attention is plain causal over the index and the fused
+    kernels run without an explicit mask. `implementation` is the attention implementation of this call:
+    the config's, or "eager" when the attention weights are asked for. `fused_layers`: the blocks' fused
+    residual kernels run this call (`KnowGPTModel.fused_layers`).
     """
 
     query_positions: torch.Tensor  # (B or 1, Tq)
@@ -198,13 +202,19 @@ class AttentionContext:
     fused_layers: bool = False
     # packed self-attention group by group of rows of similar length (`KnowGPTModel.attention_by_length`)
     by_length: bool = False
+    query_order: torch.Tensor | None = None  # (B or 1, Tq); None: the query positions
+    key_order: torch.Tensor | None = None  # (B or 1, Tk); None: the key positions
 
-    def visibility(self, query_positions=None, key_positions=None, key_valid="same") -> torch.Tensor:
+    def __post_init__(self):
+        self.query_order = self.query_positions if self.query_order is None else self.query_order
+        self.key_order = self.key_positions if self.key_order is None else self.key_order
+
+    def visibility(self, query_order=None, key_order=None, key_valid="same") -> torch.Tensor:
         """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""
-        query_positions = self.query_positions if query_positions is None else query_positions
-        key_positions = self.key_positions if key_positions is None else key_positions
+        query_order = self.query_order if query_order is None else query_order
+        key_order = self.key_order if key_order is None else key_order
         key_valid = self.key_valid if isinstance(key_valid, str) else key_valid
-        visible = key_positions[:, None, :] <= query_positions[:, :, None]
+        visible = key_order[:, None, :] <= query_order[:, :, None]
         if key_valid is not None:
             visible = visible & key_valid[:, None, :]
         # A query that sees no key at all (a padding query before any real token) would turn the
@@ -519,12 +529,12 @@ class KnowGPTSynthesizerAttention(nn.Module):
                 return branch_output(self, attended.flatten(-2), context), None
             features, value = (grid.to_grid(states.flatten(-2)) for states in (features, value))
         features, value = split_heads(features, self.n_head), split_heads(value, self.n_head)
-        # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t.
+        # The new tokens' synthesized keys, cached like ordinary keys: column t of B for position t, the same
+        # for every head, held once per head as a cache holds keys (batch, heads, time, head_dim).
         key = self.w2.t()[context.query_positions][:, None].to(value.dtype)
-        key = key.expand(value.shape[0], 1, -1, -1)
+        key = key.expand(value.shape[0], self.n_head, -1, -1)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-        key = key.expand(value.shape[0], self.n_head, -1, -1)
         bias = self.b2[context.key_positions][:, None, None, :]
         visible = context.visibility()
         attended, weights = attention_function(self.config, context.implementation)(

@@ -14,9 +14,9 @@ The four `attention_type`s share the block and differ only in how attention scor
 Here: the MLP, the blocks (the perceiver's two cross-attention blocks included), and the 🤗 classes
 (`KnowGPTPreTrainedModel`, the `KnowGPTModel` backbone, `KnowGPTForCausalLM`). How attention is computed,
 the four types' attention layers and the registry of attention implementations, is in `attention_knowgpt`.
-Masks are position based (a key is visible when its position is at most the query's and it is not
-padding), built by one helper, so left-padded batches and the KV cache give the same tokens as
-unpadded, uncached calls.
+Masks follow the tokens' order (a key is visible when it comes no later than the query and is not
+padding; `position_ids` only place tokens), built by one helper, so left-padded batches and the KV cache
+give the same tokens as unpadded, uncached calls.
 """
 
 import torch
@@ -166,14 +166,20 @@ class KnowGPTPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_attention_backend = False
 
-    def set_attn_implementation(self, attn_implementation: str, **kwargs):
-        """Switch between fused ("sdpa"), unfused handout-style ("eager") and, for bf16 training on a GPU,
-        the fused Triton kernel with SDPA elsewhere ("triton"; see `triton_attention`)."""
-        if attn_implementation not in ATTENTION_FUNCTIONS:
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        """The attention implementations KnowGPT runs: fused ("sdpa", the default), unfused handout-style
+        ("eager") and, for bf16 training on a GPU, the fused Triton kernel with SDPA elsewhere ("triton"; see
+        `triton_attention`). transformers asks this wherever an implementation is chosen (the config,
+        `from_pretrained(attn_implementation=...)`, `set_attn_implementation`), so all of them take these three
+        and refuse the rest with transformers' own message."""
+        requested = "sdpa" if requested_attention is None else requested_attention
+        if requested not in ATTENTION_FUNCTIONS:
+            choices = ", ".join(f'`attn_implementation="{name}"`' for name in sorted(ATTENTION_FUNCTIONS))
             raise ValueError(
-                f"KnowGPT supports attn_implementation in {sorted(ATTENTION_FUNCTIONS)}, got {attn_implementation!r}"
+                f'Specified `attn_implementation="{requested}"` is not supported. The only possible arguments are '
+                f"{choices}."
             )
-        self.config._attn_implementation = attn_implementation
+        return requested
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         # Name both heads in auto_map, so either Auto class loads any checkpoint with trust_remote_code.
@@ -386,28 +392,31 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         return output if return_dict else output.to_tuple()
 
     def _attention_context(self, batch_size, seq_len, past_length, attention_mask, position_ids):
+        """Each token's order (its index among its row's real tokens: what a key's visibility follows) and
+        position (what encodes it: `position_ids` for the new tokens where given, else the order)."""
         device = self.tok_emb.weight.device
+        key_valid = None
         if attention_mask is None:
-            key_positions = torch.arange(past_length + seq_len, device=device)[None]
-            query_positions = position_ids if position_ids is not None else key_positions[:, past_length:]
-            if past_length == 0:
-                key_positions = query_positions
-            return AttentionContext(
-                query_positions,
-                key_positions,
-                None,
-                causal_only=past_length == 0,
-                positions_are_indices=past_length == 0 and position_ids is None,
-            )
-        if attention_mask.dim() != 2 or attention_mask.shape != (batch_size, past_length + seq_len):
+            key_order = torch.arange(past_length + seq_len, device=device)[None]
+        elif attention_mask.dim() != 2 or attention_mask.shape != (batch_size, past_length + seq_len):
             raise ValueError(
                 "attention_mask must be 2-D (batch, cached + new positions) = "
                 f"{(batch_size, past_length + seq_len)}, got {tuple(attention_mask.shape)}"
             )
-        key_valid = attention_mask.bool()
-        key_positions = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
-        query_positions = position_ids if position_ids is not None else key_positions[:, past_length:]
-        return AttentionContext(query_positions, key_positions, key_valid, causal_only=False)
+        else:
+            key_valid = attention_mask.bool()
+            key_order = (key_valid.long().cumsum(-1) - 1).clamp(min=0)
+        query_order = key_order[:, past_length:]
+        query_positions, key_positions = query_order, key_order
+        if position_ids is not None:
+            query_positions = position_ids
+            rows = max(key_order.shape[0], position_ids.shape[0])
+            key_positions = torch.cat([key_order[:, :past_length].expand(rows, -1), position_ids.expand(rows, -1)], 1)
+        plain = attention_mask is None and past_length == 0
+        return AttentionContext(
+            query_positions, key_positions, key_valid, causal_only=plain,
+            positions_are_indices=plain and position_ids is None, query_order=query_order, key_order=key_order,
+        )  # fmt: skip
 
     def _perceiver_forward(self, input_states, grid, context, cache):
         """Down-project, run the latent blocks, up-project: (output, each block's output, each block's
@@ -422,7 +431,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             input_key, input_value = cache.update(input_key, input_value, 0)
         n_latents = self.config.bottleneck_dim
         latent_positions = torch.arange(n_latents, device=input_states.device)[None]
-        down_visible = context.visibility(query_positions=latent_positions)
+        down_visible = context.visibility(query_order=latent_positions)
         latents, weights = down(input_key, input_value, down_visible, implementation=context.implementation)
         states, attentions = [latents], [weights]
         latent_context = AttentionContext(
@@ -433,7 +442,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             latents, weights = block(latents, latent_grid, latent_context)
             states.append(latents)
             attentions.append(weights)
-        query_visible = context.visibility(key_positions=latent_positions, key_valid=None)
+        query_visible = context.visibility(key_order=latent_positions, key_valid=None)
         hidden_states, weights = up(input_states, latents, grid, query_visible, implementation=context.implementation)
         return hidden_states, [*states, hidden_states], [*attentions, weights]
 

@@ -23,9 +23,9 @@ class KnowGPTTokenizerFast(PreTrainedTokenizerFast):
 
     Build one from a corpus with `KnowGPTTokenizerFast.from_corpus(text)`: for the same corpus its ids are
     the handouts' (`CharCorruptionDataset.stoi`), with one more id after them for unknown characters. Or
-    from a vocabulary, `KnowGPTTokenizerFast(vocab={character: id})`, as transformers 5 rebuilds tokenizers:
-    every way in (vocabulary, `tokenizer.json`, `from_corpus`, `from_pretrained`) builds the same
-    per-character backend with the unknown id. Nothing is added around the text (no BOS/EOS); ⁇ is also
+    from a vocabulary, `KnowGPTTokenizerFast(vocab={character: id})` (or its tokens in id order, alone or as
+    (token, score) pairs), as transformers 5 rebuilds tokenizers: every way in (vocabulary, `tokenizer.json`,
+    `from_corpus`, `from_pretrained`) builds the same per-character backend with the unknown id. Nothing is added around the text (no BOS/EOS); ⁇ is also
     the end-of-sequence token, so generation stops after an answer's closing ⁇.
     """
 
@@ -35,13 +35,16 @@ class KnowGPTTokenizerFast(PreTrainedTokenizerFast):
 
     def __init__(
         self,
-        vocab: dict[str, int] | None = None,
+        vocab: dict[str, int] | list[str] | list[tuple[str, float]] | None = None,
         unk_token: str | None = None,
         pad_token: str = PAD_CHAR,
         mask_token: str = MASK_CHAR,
         eos_token: str = MASK_CHAR,
         **kwargs,
     ):
+        if vocab is not None and not isinstance(vocab, dict):
+            # tokens in id order, alone or with scores (as transformers' extractors list a vocabulary)
+            vocab = {entry if isinstance(entry, str) else entry[0]: index for index, entry in enumerate(vocab)}
         if vocab is not None and kwargs.get("tokenizer_object") is None:
             if unk_token is None:
                 unk_token = UNK_CHAR if UNK_CHAR in vocab else "<unk>"

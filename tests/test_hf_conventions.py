@@ -1,8 +1,10 @@
 """KnowGPT held to the contracts of transformers' own common tests (`tests/test_modeling_common.py`:
 test_attention_outputs, test_hidden_states_output, test_training_gradient_checkpointing*,
-check config defaults; `tests/generation/test_utils.py`: attentions from generate; the causal-LM loss of
-`transformers.loss.loss_utils`; `tests/test_tokenization_common.py`: every constructor path gives the
-same tokenizer), for all four attention types.
+test_can_set_attention_dynamically, check config defaults; `tests/generation/test_utils.py`: attentions
+from generate; the causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py`:
+every constructor path gives the same tokenizer, a vocabulary given as (token, score) pairs included), for
+all four attention types. `tests/test_modeling.py` holds the causality and cache-format contracts
+(test_past_key_values_format: keys and values per head).
 
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
@@ -229,6 +231,10 @@ def test_every_tokenizer_constructor_gives_the_same_backend(tmp_path):
     tokenizers = {
         "from_corpus": from_corpus,
         "vocab": KnowGPTTokenizerFast(vocab=from_corpus.get_vocab()),
+        # tokens in id order, as (token, score) pairs: how transformers' TokenizersExtractor lists a vocabulary
+        "vocab_scores": KnowGPTTokenizerFast(
+            vocab=[(token, 0.0) for token in from_corpus.convert_ids_to_tokens(list(range(len(from_corpus))))]
+        ),
         "tokenizer_file": KnowGPTTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json")),
         "from_pretrained": KnowGPTTokenizerFast.from_pretrained(tmp_path),
         "AutoTokenizer": AutoTokenizer.from_pretrained(tmp_path),
@@ -242,6 +248,37 @@ def test_every_tokenizer_constructor_gives_the_same_backend(tmp_path):
         assert tokenizer.decode(tokenizer("José ⁇\nLondon")["input_ids"]) == "José ⁇\nLondon", name
         assert (tokenizer.pad_token_id, tokenizer.mask_token_id, tokenizer.eos_token_id) == (0, 1, 1), name
         assert tokenizer.unk_token_id == len(tokenizer) - 1, name
+
+
+@pytest.mark.parametrize("way", ["config", "from_pretrained", "set_attn_implementation"])
+def test_every_way_of_choosing_attention_takes_knowgpts_implementations_and_refuses_others(way, tmp_path):
+    """test_modeling_common's test_can_set_attention_dynamically: the config, `from_pretrained` and
+    `set_attn_implementation` (by name or as {"": name}) take "eager", "sdpa" and "triton" (SDPA off a GPU,
+    so the logits agree) and refuse the rest with transformers' own message."""
+    model = make_model("vanilla")
+    model.save_pretrained(tmp_path)
+    ids = inputs()
+    expected = model(ids).logits
+
+    def build(implementation):
+        if way == "config":
+            built = KnowGPTForCausalLM(tiny_config("vanilla", attn_implementation=implementation))
+            built.load_state_dict(model.state_dict())
+            return built.eval()
+        if way == "from_pretrained":
+            return KnowGPTForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation).eval()
+        model.set_attn_implementation(implementation if implementation != "eager" else {"": "eager"})
+        return model
+
+    for implementation in ("eager", "triton", "sdpa"):
+        built = build(implementation)
+        assert built.config._attn_implementation == implementation
+        assert torch.allclose(built(ids).logits, expected, atol=1e-5)
+    for refused in ("foo", "flash_attention_2", "flex_attention"):
+        with pytest.raises(ValueError, match=f'Specified `attn_implementation="{refused}"` is not supported'):
+            build(refused)
+    if way == "set_attn_implementation":
+        assert model.config._attn_implementation == "sdpa"  # a refused name changes nothing
 
 
 class Scripted:

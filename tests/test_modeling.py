@@ -72,6 +72,46 @@ def test_causality_later_tokens_never_change_earlier_logits(attention_type):
 
 
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+@pytest.mark.parametrize("positions", ["zeros", "restarting"])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_position_ids_place_tokens_but_never_let_them_see_later_ones(attention_type, positions, with_mask):
+    """As in transformers' models, causality follows the tokens' order whatever `position_ids` say (all at
+    position 0, or restarting as packed documents' do): they change how tokens are encoded only."""
+    model = make_model(attention_type)
+    ids = random_ids(2, 12)
+    position_ids = torch.zeros(2, 12, dtype=torch.long)
+    if positions == "restarting":
+        position_ids = torch.arange(12).remainder(4).expand(2, -1)
+    mask = torch.ones(2, 12, dtype=torch.long) if with_mask else None
+    logits = model(ids, attention_mask=mask, position_ids=position_ids).logits
+    for changed in (3, 8, 11):
+        edited = ids.clone()
+        edited[:, changed] = (edited[:, changed] + 3) % (VOCAB - 2) + 2
+        after = model(edited, attention_mask=mask, position_ids=position_ids).logits
+        assert torch.allclose(logits[:, :changed], after[:, :changed], atol=1e-6)
+    # the default positions are the tokens' indices, and a query sees every earlier token under any positions
+    assert torch.allclose(model(ids, position_ids=torch.arange(12)[None]).logits, model(ids).logits, atol=1e-6)
+    edited = ids.clone()  # a token's change reaches every later one, whatever their positions
+    edited[:, 5] = (edited[:, 5] + 3) % (VOCAB - 2) + 2
+    after = model(edited, attention_mask=mask, position_ids=position_ids).logits
+    assert not torch.isclose(logits[:, 5:], after[:, 5:], atol=1e-6).all(dim=-1).any()
+
+
+@pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer"])
+def test_the_cache_holds_keys_and_values_per_head_as_transformers_caches_do(attention_type):
+    """(batch, heads, time, head_dim) for keys and values of every layer: the synthesizer's keys, the same for
+    every head, are held once per head too."""
+    model = make_model(attention_type)
+    config = model.config
+    output = model(random_ids(3, 5), use_cache=True)
+    cache = output["cache"] if "cache" in output else output["past_key_values"]  # renamed in transformers 5.2x
+    expected = (3, config.n_head, 5, config.n_embd // config.n_head)
+    assert len(cache.layers) == config.n_layer
+    for layer in cache.layers:
+        assert tuple(layer.keys.shape) == expected and tuple(layer.values.shape) == expected
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
 def test_cache_and_no_cache_generate_the_same_tokens(attention_type):
     model = make_model(attention_type)
     prompt = random_ids(3, 5)
