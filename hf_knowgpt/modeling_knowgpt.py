@@ -343,6 +343,9 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             raise ValueError("token_index (packed training) cannot be combined with a cache or an attention_mask")
         if use_cache and cache is None:
             cache = DynamicCache()
+        if getattr(cache, "is_compileable", False):  # StaticCache and its kin: buffers of a fixed length
+            raise ValueError(f"KnowGPT runs with a cache that grows (DynamicCache, generate's default), not "
+                             f"{type(cache).__name__}: leave out cache_implementation='static'")  # fmt: skip
         past_length = cache.get_seq_length() if cache is not None else 0
         if past_length + seq_len > config.block_size:
             raise ValueError(
@@ -399,10 +402,8 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         if attention_mask is None:
             key_order = torch.arange(past_length + seq_len, device=device)[None]
         elif attention_mask.dim() != 2 or attention_mask.shape != (batch_size, past_length + seq_len):
-            raise ValueError(
-                "attention_mask must be 2-D (batch, cached + new positions) = "
-                f"{(batch_size, past_length + seq_len)}, got {tuple(attention_mask.shape)}"
-            )
+            raise ValueError(f"attention_mask must be 2-D (batch, cached + new positions) = "
+                             f"{(batch_size, past_length + seq_len)}, got {tuple(attention_mask.shape)}")  # fmt: skip
         else:
             key_valid = attention_mask.bool()
             key_order = (key_valid.long().cumsum(-1) - 1).clamp(min=0)

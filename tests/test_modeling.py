@@ -111,6 +111,14 @@ def test_the_cache_holds_keys_and_values_per_head_as_transformers_caches_do(atte
         assert tuple(layer.keys.shape) == expected and tuple(layer.values.shape) == expected
 
 
+def test_a_static_cache_is_refused_by_name():
+    """generate(cache_implementation="static") hands the model a StaticCache and 4-D masks: KnowGPT says which
+    cache it runs with instead of failing on the mask's shape."""
+    model = make_model("vanilla")
+    with pytest.raises(ValueError, match="not StaticCache: leave out cache_implementation='static'"):
+        model.generate(random_ids(2, 5), max_new_tokens=3, do_sample=False, cache_implementation="static")
+
+
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
 def test_cache_and_no_cache_generate_the_same_tokens(attention_type):
     model = make_model(attention_type)
