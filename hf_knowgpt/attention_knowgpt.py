@@ -9,8 +9,8 @@ Each layer forms queries, keys and values and hands them to `attention_function(
 "sdpa" (PyTorch's fused kernels), "eager" (the handouts' unfused computation, the one that returns its
 weights) or "triton" (the fused kernel of `hf_knowgpt.kernels` for bf16 training on a GPU, SDPA elsewhere),
 run in the config's `attention_kernel_dtype`. Masks follow the tokens' order and padding, built by one
-helper (`AttentionContext.visibility`); `TokenGrid` says where the computed tokens sit in the (batch, time) grid
-(all of it, or only the real tokens of packed training).
+helper (`AttentionContext.visibility`); `TokenGrid` says where the computed tokens sit in the (batch, time)
+grid (all of it, or only the real tokens of packed training).
 """
 
 import math

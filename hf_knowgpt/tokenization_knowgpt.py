@@ -25,8 +25,9 @@ class KnowGPTTokenizerFast(PreTrainedTokenizerFast):
     the handouts' (`CharCorruptionDataset.stoi`), with one more id after them for unknown characters. Or
     from a vocabulary, `KnowGPTTokenizerFast(vocab={character: id})` (or its tokens in id order, alone or as
     (token, score) pairs), as transformers 5 rebuilds tokenizers: every way in (vocabulary, `tokenizer.json`,
-    `from_corpus`, `from_pretrained`) builds the same per-character backend with the unknown id. Nothing is added around the text (no BOS/EOS); ⁇ is also
-    the end-of-sequence token, so generation stops after an answer's closing ⁇.
+    `from_corpus`, `from_pretrained`) builds the same per-character backend with the unknown id. Nothing is
+    added around the text (no BOS/EOS); ⁇ is also the end-of-sequence token, so generation stops after an
+    answer's closing ⁇.
     """
 
     model_input_names = ["input_ids", "attention_mask"]
