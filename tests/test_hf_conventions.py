@@ -1,10 +1,10 @@
 """KnowGPT held to the contracts of transformers' own common tests (`tests/test_modeling_common.py`:
 test_attention_outputs, test_hidden_states_output, test_training_gradient_checkpointing*,
 test_can_set_attention_dynamically, check config defaults; `tests/generation/test_utils.py`: attentions
-from generate; the causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py`:
-every constructor path gives the same tokenizer, a vocabulary given as (token, score) pairs included), for
-all four attention types. `tests/test_modeling.py` holds the causality and cache-format contracts
-(test_past_key_values_format: keys and values per head).
+from generate, assisted and prompt-lookup decoding; the causal-LM loss of `transformers.loss.loss_utils`;
+`tests/test_tokenization_common.py`: every constructor path gives the same tokenizer, a vocabulary given
+as (token, score) pairs included), for all four attention types. `tests/test_modeling.py` holds the
+causality and cache-format contracts (test_past_key_values_format: keys and values per head).
 
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
@@ -248,6 +248,23 @@ def test_every_tokenizer_constructor_gives_the_same_backend(tmp_path):
         assert tokenizer.decode(tokenizer("José ⁇\nLondon")["input_ids"]) == "José ⁇\nLondon", name
         assert (tokenizer.pad_token_id, tokenizer.mask_token_id, tokenizer.eos_token_id) == (0, 1, 1), name
         assert tokenizer.unk_token_id == len(tokenizer) - 1, name
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_assisted_and_prompt_lookup_decoding_give_greedy_tokens(attention_type):
+    """tests/generation/test_utils.py's test_assisted_decoding_matches_greedy_search and
+    test_prompt_lookup_decoding_matches_greedy_search: candidates are checked against the model and the
+    cache is cropped back where they are rejected, so the tokens are greedy decoding's."""
+    model = make_model(attention_type)
+    assistant = make_model(attention_type)  # another model, whose candidates are often rejected
+    with torch.no_grad():
+        for parameter in assistant.parameters():
+            parameter.add_(0.5 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])  # repeats, so that prompt lookup finds candidates
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    greedy = model.generate(prompt, **kwargs)
+    assert torch.equal(model.generate(prompt, assistant_model=assistant, **kwargs), greedy)
+    assert torch.equal(model.generate(prompt, prompt_lookup_num_tokens=3, **kwargs), greedy)
 
 
 @pytest.mark.parametrize("way", ["config", "from_pretrained", "set_attn_implementation"])
