@@ -16,8 +16,6 @@ as SDPA in fp32 with the bias in its mask (what the synthesizer ran before) agai
 and the unfused kernel compute every position whatever the lengths. `dropout`: the default kernel taking
 four dropout uniforms from each Philox evaluation, one, or running without dropout. `correction`: the
 backward pass's softmax correction dOᵢ·Oᵢ computed by a kernel of its own or in every backward program.
-`grad_q`: the queries' gradient from each backward program's second pass over the blocks (as it is) or added
-up by fp32 atomics in its first (`fused_attention.ONE_PASS_GRAD_Q`), vanilla and rope.
 `launch`: warps, software-pipelining stages and (backward) block size of each kernel alone. Each group's
 first kernel is its baseline, for the speed ratio and the differences.
 """
@@ -171,9 +169,7 @@ def main():
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--data_dir", default=".data", help="where wiki.txt is (for realistic row lengths)")
     parser.add_argument(
-        "--groups",
-        default="sweep",
-        help="comma-separated: sweep, rope, synthesizer, dropout, correction, grad_q, launch",
+        "--groups", default="sweep", help="comma-separated: sweep, rope, synthesizer, dropout, correction, launch"
     )
     parser.add_argument("--results", default=None, help="JSON file for the table")
     args = parser.parse_args()
@@ -240,25 +236,6 @@ def main():
             triton_kernel(None, lengths),
             inputs,
             {"PRECOMPUTED_CORRECTION": False},
-        ),
-    }
-    # The queries' gradient from a second pass over the blocks (as it is) or added up in the first by atomics.
-    groups["grad_q"] = {
-        "grad_q: triton, second pass, lengths": (triton_kernel(None, lengths), inputs, {"ONE_PASS_GRAD_Q": False}),
-        "grad_q: triton, one pass (fp32 atomics), lengths": (
-            triton_kernel(None, lengths),
-            inputs,
-            {"ONE_PASS_GRAD_Q": True},
-        ),
-        "grad_q: rope, second pass, lengths": (
-            triton_kernel(None, lengths, rotary=(cos, sin)),
-            inputs,
-            {"ONE_PASS_GRAD_Q": False},
-        ),
-        "grad_q: rope, one pass, lengths": (
-            triton_kernel(None, lengths, rotary=(cos, sin)),
-            inputs,
-            {"ONE_PASS_GRAD_Q": True},
         ),
     }
     # Launch settings of each kernel alone (the other at the library's): blocks of 16 positions, 2 warps.

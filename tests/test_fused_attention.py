@@ -58,15 +58,13 @@ KERNEL_VARIANTS = {
     "as-is": {},
     "one-uniform-per-draw": {"UNIFORMS_PER_DRAW": 1},
     "correction-in-backward": {"PRECOMPUTED_CORRECTION": False},
-    "grad-q-in-one-pass": {"ONE_PASS_GRAD_Q": True},
 }
 
 
 @pytest.fixture(params=list(KERNEL_VARIANTS))
 def kernel_variant(request, monkeypatch):
     """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation instead
-    of four, the backward pass's softmax correction recomputed by every backward program, or the queries'
-    gradient added up by the programs of the keys in one pass."""
+    of four, or the backward pass's softmax correction recomputed by every backward program."""
     for name, value in KERNEL_VARIANTS[request.param].items():
         monkeypatch.setattr(fused_attention, name, value)
     return request.param
@@ -254,49 +252,6 @@ def test_keys_by_position_with_a_bias(block_size, packed):
     with pytest.raises(ValueError, match="rotary needs keys per token"):
         cos, sin = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0)
         fused_causal_attention(query, table, value, 1.0, rotary=(cos, sin))
-
-
-ONE_PASS_CALLS = ["grid-lengths", "packed", "rotary", "key-table-bias"]
-
-
-@needs_kernel
-@pytest.mark.parametrize("call", ONE_PASS_CALLS)
-def test_queries_gradient_in_one_pass_is_the_two_pass_one(call, block_size, monkeypatch):
-    """Added up by the programs of the keys (fp32 atomics, `ONE_PASS_GRAD_Q`), the queries' gradient is the
-    two-pass kernel's to within one bf16 unit (the same terms summed in another order), with lengths, packed
-    tokens, rotary tables and a table of keys with a bias; nothing else changes."""
-    torch.manual_seed(0)
-    batch, heads, length, head_dim, dropout_p = 3, 2, 53, 16, 0.2
-    lengths = torch.tensor([53, 7, 34], device=DEVICE)
-    query, key, value = head_inputs(batch, heads, length, head_dim, torch.bfloat16, True)
-    seed = torch.tensor([21], dtype=torch.int64, device=DEVICE)
-    options = dict(seed=seed, lengths=lengths)
-    if call == "rotary":
-        options["rotary"] = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0)
-    if call == "key-table-bias":
-        key = torch.randn(length, head_dim, device=DEVICE).to(torch.bfloat16).requires_grad_()
-        options["bias"] = torch.randn(length, device=DEVICE, requires_grad=True)
-    inputs = [query, key, value]
-    if call == "packed":
-        real = torch.arange(length, device=DEVICE) < lengths[:, None]
-        inputs = [states.detach().transpose(1, 2)[real].requires_grad_() for states in inputs]
-        options.update(starts=lengths.cumsum(0) - lengths, seq_len=length)
-    differentiated = inputs + ([options["bias"]] if "bias" in options else [])
-
-    def attend(one_pass):
-        monkeypatch.setattr(fused_attention, "ONE_PASS_GRAD_Q", one_pass)
-        out = fused_causal_attention(*inputs, 0.25, dropout_p, **options)
-        return out, torch.autograd.grad(out, differentiated, torch.ones_like(out) + out.detach())
-
-    (out, grads), (two_pass_out, two_pass_grads) = attend(True), attend(False)
-    assert torch.equal(out, two_pass_out)
-    for name, got, want in zip(("query", "key", "value", "bias"), grads, two_pass_grads):
-        if name == "query":
-            tolerance = dict(rtol=2**-7, atol=2**-16 * want.abs().max().item())
-            torch.testing.assert_close(got, want, **tolerance, msg=lambda text: f"gradient of query: {text}")
-            assert got.abs().max() > 0.1  # not zeros on both sides
-        else:
-            assert torch.equal(got, want), f"gradient of {name}"
 
 
 @pytest.mark.skipif(

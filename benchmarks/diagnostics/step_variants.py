@@ -15,8 +15,7 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 1 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or
 one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
-`fused_attention.PRECOMPUTED_CORRECTION`); its backward pass's queries' gradient added up by fp32 atomics in one
-pass over the blocks instead of a second pass (`grad-q-one-pass`, `fused_attention.ONE_PASS_GRAD_Q`); packed steps' token counts rounded up to multiples of 512
+`fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before
 every graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`);
 inductor options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`:
@@ -62,7 +61,6 @@ VARIANTS = {
     "uniforms1": {"uniforms": 1},
     "correction-kernel": {"precomputed_correction": True},
     "correction-inline": {"precomputed_correction": False},
-    "grad-q-one-pass": {"one_pass_grad_q": True},
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
@@ -100,7 +98,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
     fused_attention.PRECOMPUTED_CORRECTION = settings.get(
         "precomputed_correction", fused_attention.PRECOMPUTED_CORRECTION
     )
-    fused_attention.ONE_PASS_GRAD_Q = settings.get("one_pass_grad_q", fused_attention.ONE_PASS_GRAD_Q)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)

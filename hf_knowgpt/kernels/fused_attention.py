@@ -9,8 +9,7 @@ How: as FlashAttention-2, in blocks of `BLOCK_SIZE` positions. The forward pass 
 queries of each (batch, head) a program that runs an online softmax over the key blocks it sees; the
 backward pass gives each block index a program that computes the gradients of that block's keys and
 values (over the query blocks that see them) and then of that block's queries (over the key blocks they
-see), so no two programs write one gradient and no atomics are needed (`ONE_PASS_GRAD_Q` instead adds
-the queries' gradient up with fp32 atomics during the first pass, in no fixed order). Told each sequence's length
+see), so no two programs write one gradient and no atomics are needed. Told each sequence's length
 (packed training), both skip the blocks that hold only padding. The two products of bf16 operands (Q Kᵀ
 and dO Vᵀ) run on tensor cores exactly (products of bf16 numbers are exact in fp32, and accumulate in
 fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q —
@@ -65,10 +64,6 @@ BACKWARD_NUM_STAGES = None
 # by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
 # --groups correction, H100).
 PRECOMPUTED_CORRECTION = True
-# The queries' gradient added up by the programs of the keys, with fp32 atomics, as they go over the query blocks
-# (True: one pass over the blocks, in no fixed order of addition); False: each program's second pass computes
-# its block of queries' gradient again from the scores, in a fixed order.
-ONE_PASS_GRAD_Q = False
 # Dropout uniforms taken from each Philox evaluation: 4, all it gives, or 1. Four made the kernel 7% faster
 # (0.117 against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100).
 UNIFORMS_PER_DRAW = 4
@@ -364,12 +359,10 @@ if triton is not None:
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
-        PRECOMPUTED: tl.constexpr, ONE_PASS: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECOMPUTED: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
         them), then of queries i (over the key blocks they see), so no two programs write one gradient.
-        With ONE_PASS, the queries' gradient is instead added into GRAD_Q (fp32, zeros) by atomics while
-        the keys' gradient is computed, and no second pass is made.
         With ROTARY, Q and K are the forward pass's rotated copies. With KEY_TABLE, each program writes its
         share of the keys' gradient (and with HAS_BIAS of the bias's) for the caller to sum."""
         block, program = tl.program_id(0), tl.program_id(1)
@@ -398,12 +391,6 @@ if triton is not None:
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
                 if HAS_BIAS:
                     grad_scores_sum += grad_scores
-                if ONE_PASS:  # this key block's share of these queries' gradient (the rotation back is linear)
-                    share = _split_dot(grad_scores, k, tl.zeros((BLOCK, HEAD_DIM), tl.float32), SPLITS, INTERPRETED)
-                    share = _rotate(share * SCALE, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
-                    offsets = _offsets(b, h, sgq_b, sgq_h, sgq_t, sgq_d, start + rows, dims)
-                    tl.atomic_add(GRAD_Q + offsets, share, mask=(rows < length)[:, None], sem="relaxed")
-        if not ONE_PASS and block * BLOCK < length:
             q, grad_out, lse, correction = _query_terms(
                 Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
                 sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
@@ -420,6 +407,7 @@ if triton is not None:
         # The scores' gradients times the scale: those of Q Kᵀ. Rotated queries' and keys' gradients are
         # turned back: those of the inputs.
         grad_k = _rotate(grad_k * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
+        grad_q = _rotate(grad_q * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
         if KEY_TABLE:  # every position's row of this program's share, zeros past the sequence
             _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, 0, seq_len)
         else:
@@ -428,9 +416,7 @@ if triton is not None:
             grad_bias = tl.sum(grad_scores_sum, 0)
             tl.store(GRAD_BIAS + program * seq_len + positions, grad_bias, mask=positions < seq_len)
         _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
-        if not ONE_PASS:
-            grad_q = _rotate(grad_q * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
-            _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
+        _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
 
     def _layout(query, starts, seq_len):
         """(batch, heads, length, head_dim) of a call, and how to read a tensor's (b, h, t, d) strides:
@@ -453,7 +439,7 @@ if triton is not None:
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
             SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
             KEY_TABLE=key_table, HAS_BIAS=bias is not None, UNIFORMS=UNIFORMS_PER_DRAW,
-            PRECOMPUTED=PRECOMPUTED_CORRECTION, ONE_PASS=ONE_PASS_GRAD_Q, INTERPRETED=_interpreted(),
+            PRECOMPUTED=PRECOMPUTED_CORRECTION, INTERPRETED=_interpreted(),
         )  # fmt: skip
         options = {name: value for name, value in options.items() if name in kernel.arg_names}
         backward = kernel is _backward_kernel
@@ -543,9 +529,7 @@ if triton is not None:
         key_table = key.dim() == 2
         block_size = BACKWARD_BLOCK_SIZE or block_size
         grad_out = grad_out.to(query.dtype)
-        # In one pass the programs of the keys add up the queries' gradient in fp32 (zeros past each sequence).
-        grad_q = torch.zeros_like(query, dtype=torch.float32) if ONE_PASS_GRAD_Q else torch.empty_like(query)
-        grad_v = torch.empty_like(value)
+        grad_q, grad_v = torch.empty_like(query), torch.empty_like(value)
         # A shared table's gradient sums every sequence's and head's share: each program writes its own.
         grad_k = torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
         grad_bias = torch.empty(batch * heads, length, device=key.device) if bias is not None else key.new_empty(0)
@@ -565,7 +549,6 @@ if triton is not None:
             *strides(query), *strides(key), *strides(value), *strides(grad_out),
             *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v),
         )  # fmt: skip
-        grad_q = grad_q.to(query.dtype)
         if key_table:
             grad_k = grad_k.sum((0, 1)).to(key.dtype)
             grad_bias = grad_bias.sum(0) if bias is not None else grad_bias
