@@ -7,10 +7,17 @@ body directly: the same kernels, compiled ones included, launched one by one.
 
     python benchmarks/diagnostics/profile_step.py --recipe handout --attention_type vanilla --data_dir .data \\
         --mixed_precision bf16 --torch_compile --pretrain_max_epochs 3 --no_do_finetune --output_dir /tmp/p
+
+Under `accelerate launch --multi_gpu --num_processes N ... benchmarks/diagnostics/profile_step.py <flags>` the
+first process prints the tables (its all-reduce waits for the others: outside the graph the processes do not
+launch in step). After the tables, the slowest inductor kernels are described from the code inductor
+generated: what they fuse, their size hints, and the sizes they are launched with.
 """
 
+import os
 import re
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,6 +26,7 @@ from hf_knowgpt.commands import cli, train
 from hf_knowgpt.training import fast_path, trainer
 
 FIRST, LAST = 20, 40
+INDUCTOR_KERNELS_DESCRIBED = 8
 # CUDA kernels by what they do, first match wins (names as cuBLAS, inductor and hf_knowgpt.kernels give them)
 KERNEL_KINDS = (
     (
@@ -45,6 +53,8 @@ def stop():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     state["profiler"].__exit__(None, None, None)
+    if int(os.environ.get("RANK", "0")) != 0:  # under `accelerate launch`, the first process prints the tables
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     averages = state["profiler"].key_averages()
     table = averages.table(sort_by=f"self_{device}_time_total", row_limit=40)
@@ -77,6 +87,52 @@ def stop():
         print("the 'other' kernels:")
         for name, (count, milliseconds) in sorted(others.items(), key=lambda item: -item[1][1])[:20]:
             print(f"  {name[:100]:<100}{count / steps:>6.1f} per step{milliseconds / steps:>9.4f} ms")
+        inductor = {}
+        for kernel in kernels:
+            if kernel.name.startswith("triton_"):
+                add(inductor, kernel.name, kernel.device_time / 1e3)
+        slowest = sorted(inductor.items(), key=lambda item: -item[1][1])[:INDUCTOR_KERNELS_DESCRIBED]
+        describe_inductor_kernels({name: (count / steps, ms / count) for name, (count, ms) in slowest})
+
+
+def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
+    """What inductor fused into each of its slowest kernels, from the code it generated (its cache holds each
+    compiled graph's module): the source nodes and ATen operators, the launch heuristics with their size hints,
+    whether it is a combo kernel (several kernels in one launch), and the sizes its call sites launch it with. A
+    name can belong to several graphs (forward, backward, batch, clipping); each is printed."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    print("\nthe slowest inductor kernels, as generated:")
+    modules = [path.read_text(errors="ignore") for path in Path(cache_dir()).rglob("*.py")]
+    for name, (per_step, milliseconds) in kernels.items():
+        print(f"{name}: {per_step:.1f} per step, {1000 * milliseconds:.1f} µs each")
+        for module in modules:
+            for line in describe_generated_kernel(module, name):
+                print(f"    {line[:400]}")
+
+
+def describe_generated_kernel(module: str, name: str) -> list[str]:
+    """The lines of one generated module that say what kernel `name` is (none where it is not defined there)."""
+    definition = f"{name} = async_compile.triton('{name}'"
+    if definition not in module:
+        return []
+    before, after = module.split(definition, 1)
+    comments = []
+    for line in reversed(before.rstrip("\n").splitlines()):  # the comment block right above the definition
+        if not line.startswith("#"):
+            break
+        comments.insert(0, line)
+    sources = [line for line in comments if line.startswith("# Topologically Sorted Source Nodes")]
+    quote = "'" * 3  # the kernel's source is a triple-quoted string
+    body = after.split(quote, 2)[1] if after.count(quote) >= 2 else after
+    heuristics = [
+        line.strip()
+        for line in body.splitlines()
+        if line.startswith("@triton_heuristics") or "size_hints=" in line or "reduction_hint=" in line
+    ]
+    combo = ["combo kernel (several kernels in one launch)"] if "combo_grid_meta" in body else []
+    launches = sorted({line.strip() for line in module.splitlines() if f"{name}.run(" in line})
+    return [*sources, *heuristics, *combo, *launches[:3], "--"]
 
 
 def profiled_step(self, *args, **kwargs):
