@@ -35,7 +35,14 @@ as they are while the step loads, so that its pool of compile workers starts (`c
 `compile_cache._compile_in_this_process`); parts of the compiled step left uncompiled:
 its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
 (`eager-clip`), both (`eager-batch-clip`); CPU training without keeping freed memory for reuse
-(`fast_path.reuse_freed_memory`). On a CPU, for instance:
+(`fast_path.reuse_freed_memory`). Several GPUs, four processes at width 1024:
+
+    python benchmarks/diagnostics/step_variants.py --processes 4 --variants as-is,no-combo-kernels --seeds 0,1 -- \\
+        --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile \\
+        --n_embd 1024 --n_head 16 --pretrain_max_epochs 100
+
+(`--processes N`: each run under `accelerate launch --multi_gpu --num_processes N`, one GPU each). On a CPU,
+for instance:
 
     python benchmarks/diagnostics/step_variants.py --variants as-is,no-memory-reuse --seeds 0,0,0 -- \\
         --recipe quickstart --pretrain_max_epochs 10 --no_do_finetune --mixed_precision bf16
@@ -134,6 +141,17 @@ def run_one(variant: str, train_args: list[str]) -> None:
     cli.run_script(train.main)
 
 
+def launcher(processes: int, train_args: list[str]) -> list[str]:
+    """The interpreter, or accelerate's launcher for several processes (one GPU each) with the run's precision."""
+    if processes == 1:
+        return [sys.executable]
+    precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
+    return [
+        *(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)),
+        *("--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no"),
+    ]
+
+
 def parse_args(argv=None):
     """This script's flags, and the rest for `scripts/train.py`. No abbreviations: `--seed` (train.py's, given to
     each run) must not be taken for `--seeds`."""
@@ -143,6 +161,9 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default="splits3,splits1", help=f"from {', '.join(VARIANTS)}, in order")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=None, help="write the runs as JSON here")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="more than 1: each run under `accelerate launch --multi_gpu`"
+    )
     parser.add_argument("--run_one", choices=list(VARIANTS), default=None, help=argparse.SUPPRESS)
     args, train_args = parser.parse_known_args(argv)
     return parser, args, [a for a in train_args if a != "--"]
@@ -164,7 +185,15 @@ def main():
                 name: str(work / f"{variant}-caches" / name)
                 for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
             }
-            command = [sys.executable, __file__, "--run_one", variant, *train_args, "--seed", seed]
+            command = [
+                *launcher(args.processes, train_args),
+                __file__,
+                "--run_one",
+                variant,
+                *train_args,
+                "--seed",
+                seed,
+            ]
             command += ["--output_dir", str(output_dir)]
             started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
             started_wall = time.time()  # the timeline's marks are wall clock
