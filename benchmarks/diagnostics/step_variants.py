@@ -23,7 +23,10 @@ inductor options added to the graphed step's or taken from them (`GraphedStepper
 not multiples of 8 such as the vocabulary's 257 logits; `pdl` launches each inductor kernel while the one
 before it ends (programmatic dependent launch, Hopper and later); `cooperative-reductions` does a split
 reduction in one kernel with a grid-wide barrier, `no-split-reductions` in one kernel without splitting
-it; inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
+it; `no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch,
+`combo-pointwise-only` leaves reductions out of those combo kernels, `combo-per-subkernel-blocks` gives each
+kernel in a combo its own block sizes (the last two are options of recent torch releases: an older one
+refuses their names); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
 cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code
 and guards, so that a warm run need not trace again (`caching-precompile`,
 `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
@@ -73,6 +76,8 @@ VARIANTS = {
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
+    "combo-pointwise-only": {"inductor": {"combo_kernels_pointwise_only": True}},
+    "combo-per-subkernel-blocks": {"inductor": {"combo_kernel_per_subkernel_blocks": True}},
     "no-shape-pad": {"inductor": {"force_shape_pad": False}},
     "pdl": {"inductor": {"triton.enable_pdl": True}},
     "cooperative-reductions": {"inductor": {"triton.cooperative_reductions": True}},
