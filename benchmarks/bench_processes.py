@@ -29,12 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LOSS_STEPS = (1400, 2300, 4600, 9000, 14949)
 
 
-def launch(processes: int, mixed_precision: str, script: str, *arguments) -> list[str]:
+def launch(processes: int, mixed_precision: str, script: Path, *arguments) -> list[str]:
+    """`script` with `arguments` under accelerate's launcher: `processes` processes (one GPU each)."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
     command += ["--num_machines", "1", "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
     if processes > 1:
         command.append("--multi_gpu")
-    return [*command, str(ROOT / "scripts" / script), *map(str, arguments)]
+    return [*command, str(script), *map(str, arguments)]
 
 
 def timed(command: list[str], log: Path) -> tuple[float, str]:
@@ -65,7 +66,7 @@ def run_one(args, attention_type: str, processes: int, work: Path) -> dict:
     epochs = ["--max_epochs", args.epochs] if args.epochs else []
     finetune_epochs = ["--max_epochs", args.finetune_epochs] if args.finetune_epochs else []
     pretrain_seconds, _ = timed(
-        launch(processes, args.mixed_precision, "pretrain.py", "--attention_type", attention_type,
+        launch(processes, args.mixed_precision, ROOT / "scripts" / "pretrain.py", "--attention_type", attention_type,
                "--pretrain_corpus_path", data / "wiki.txt", "--output_dir", pretrained, *epochs, *common,
                *shlex.split(args.pretrain_args)),
         work / f"{attention_type}-{processes}-pretrain.log",
@@ -94,7 +95,7 @@ def run_one(args, attention_type: str, processes: int, work: Path) -> dict:
     if args.pretrain_only:
         return row
     finetune_seconds, _ = timed(
-        launch(processes, args.mixed_precision, "finetune.py", "--model_name_or_path", pretrained,
+        launch(processes, args.mixed_precision, ROOT / "scripts" / "finetune.py", "--model_name_or_path", pretrained,
                "--pretrain_corpus_path", data / "wiki.txt", "--finetune_corpus_path",
                data / "birth_places_train.tsv", "--output_dir", finetuned, *finetune_epochs, *common),
         work / f"{attention_type}-{processes}-finetune.log",

@@ -27,6 +27,7 @@ from hf_knowgpt.training import fast_path, trainer
 
 FIRST, LAST = 20, 40
 INDUCTOR_KERNELS_DESCRIBED = 8
+INDUCTOR, OTHER = "inductor's fused kernels", "other"
 # CUDA kernels by what they do, first match wins (names as cuBLAS, inductor and hf_knowgpt.kernels give them)
 KERNEL_KINDS = (
     (
@@ -35,7 +36,7 @@ KERNEL_KINDS = (
     ),
     ("matrix products (cuBLAS)", r"nvjet|cutlass|gemm|splitK|cublas"),
     ("optimizer and clipping (fused AdamW, foreach norms)", r"adam|multi_tensor|foreach"),
-    ("inductor's fused kernels", r"^triton_"),
+    (INDUCTOR, r"^triton_"),
     ("memory copies and fills", r"Memcpy|Memset|copy|fill"),
 )
 optimizer_step = trainer.KnowGPTTrainer.optimizer_step
@@ -69,17 +70,19 @@ def stop():
         ]
         busy = sum(e.device_time for e in kernels) / 1e3
         print(f"device kernels per step: {len(kernels) / steps:.0f}, their time per step: {busy / steps:.3f} ms")
-        shares, others = {}, {}  # kind / name of an "other" kernel -> (count, milliseconds)
+        shares, others, inductor = {}, {}, {}  # kind / name of an "other" or inductor kernel -> (count, milliseconds)
 
         def add(table, key, milliseconds):
             count, total = table.get(key, (0, 0.0))
             table[key] = (count + 1, total + milliseconds)
 
         for kernel in kernels:
-            kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel.name, re.I)), "other")
+            kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, kernel.name, re.I)), OTHER)
             add(shares, kind, kernel.device_time / 1e3)
-            if kind == "other":
+            if kind == OTHER:
                 add(others, kernel.name, kernel.device_time / 1e3)
+            elif kind == INDUCTOR:
+                add(inductor, kernel.name, kernel.device_time / 1e3)
         for kind, (count, milliseconds) in sorted(shares.items(), key=lambda item: -item[1][1]):
             print(
                 f"  {kind:<52}{count / steps:>6.0f} kernels{milliseconds / steps:>9.3f} ms{milliseconds / busy:>7.0%}"
@@ -87,10 +90,6 @@ def stop():
         print("the 'other' kernels:")
         for name, (count, milliseconds) in sorted(others.items(), key=lambda item: -item[1][1])[:20]:
             print(f"  {name[:100]:<100}{count / steps:>6.1f} per step{milliseconds / steps:>9.4f} ms")
-        inductor = {}
-        for kernel in kernels:
-            if kernel.name.startswith("triton_"):
-                add(inductor, kernel.name, kernel.device_time / 1e3)
         slowest = sorted(inductor.items(), key=lambda item: -item[1][1])[:INDUCTOR_KERNELS_DESCRIBED]
         describe_inductor_kernels({name: (count / steps, ms / count) for name, (count, ms) in slowest})
 

@@ -63,6 +63,9 @@ from pathlib import Path
 
 from hf_knowgpt.utils.timeline import phase_seconds
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
+
 VARIANTS = {
     "as-is": {},
     "splits3": {"splits": 3},
@@ -146,17 +149,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
     cli.run_script(train.main)
 
 
-def launcher(processes: int, train_args: list[str]) -> list[str]:
-    """The interpreter, or accelerate's launcher for several processes (one GPU each) with the run's precision."""
-    if processes == 1:
-        return [sys.executable]
-    precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
-    return [
-        *(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes)),
-        *("--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no"),
-    ]
-
-
 def parse_args(argv=None):
     """This script's flags, and the rest for `scripts/train.py`. No abbreviations: `--seed` (train.py's, given to
     each run) must not be taken for `--seeds`."""
@@ -181,6 +173,7 @@ def main():
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown --variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
     work = Path(tempfile.mkdtemp(prefix="knowgpt-step-variants-"))
     runs = []
     for seed in args.seeds.split(","):
@@ -190,15 +183,11 @@ def main():
                 name: str(work / f"{variant}-caches" / name)
                 for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
             }
-            command = [
-                *launcher(args.processes, train_args),
-                __file__,
-                "--run_one",
-                variant,
-                *train_args,
-                "--seed",
-                seed,
-            ]
+            this_run = [__file__, "--run_one", variant, *train_args, "--seed", seed]
+            if args.processes > 1:
+                command = launch(args.processes, precision, *this_run)
+            else:
+                command = [sys.executable, *this_run]
             command += ["--output_dir", str(output_dir)]
             started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
             started_wall = time.time()  # the timeline's marks are wall clock
