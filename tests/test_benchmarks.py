@@ -91,3 +91,14 @@ def test_step_variants_gives_each_run_its_own_seed():
     )
     assert args.run_one == "as-is" and args.seeds == "0,1,2"
     assert train_args == ["--recipe", "handout", "--seed", "3", "--output_dir", "o"]
+
+
+def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(monkeypatch):
+    """A variant whose inductor option this torch does not have would otherwise run as the code is (the
+    graphed step leaves unknown options out) and be reported as if it had been measured."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
+    import step_variants
+
+    monkeypatch.setitem(step_variants.VARIANTS, "from-the-future", {"inductor": {"an_option_of_a_later_torch": 1}})
+    with pytest.raises(SystemExit, match="no option an_option_of_a_later_torch"):
+        step_variants.run_one("from-the-future", ["--recipe", "quickstart"])

@@ -25,7 +25,7 @@ from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
 from hf_knowgpt.kernels.fused_attention import fused_attention_available
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData, VariantRows
-from hf_knowgpt.training.fast_path import GraphedStepper, resolve_training_path
+from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options, resolve_training_path
 from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
 
 BLOCK = 64
@@ -293,6 +293,15 @@ def test_training_path_selection():
         resolve_training_path("graphed", cpu)
     with pytest.raises(ValueError, match="training_path must be one of"):
         resolve_training_path("turbo", cpu)
+
+
+def test_inductor_options_unknown_to_the_installed_torch_are_left_out():
+    """The graphed step's options reach inductor where this torch has them (nested ones by their dotted
+    name), and an option of a newer torch is dropped rather than refused."""
+    options = {**GraphedStepper.INDUCTOR_OPTIONS, "triton.enable_pdl": True, "an_option_of_a_later_torch": 1}
+    kept = known_inductor_options(options)
+    assert kept == {name: value for name, value in options.items() if name != "an_option_of_a_later_torch"}
+    assert known_inductor_options({}) == {}
 
 
 @pytest.mark.parametrize("kind", ["pretraining", "augmented"])

@@ -24,12 +24,14 @@ not multiples of 8 such as the vocabulary's 257 logits; `pdl` launches each indu
 before it ends (programmatic dependent launch, Hopper and later); `cooperative-reductions` does a split
 reduction in one kernel with a grid-wide barrier, `no-split-reductions` in one kernel without splitting
 it; `no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch,
-`combo-pointwise-only` leaves reductions out of those combo kernels, `combo-per-subkernel-blocks` gives each
-kernel in a combo its own block sizes (the last two are options of recent torch releases: an older one
-refuses their names); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
-cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code
-and guards, so that a warm run need not trace again (`caching-precompile`,
-`torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
+`combo-pointwise-only` leaves reductions out of those combo kernels, `combo-shared-blocks` gives all the
+kernels of a combo one set of block sizes instead of each its own (options of recent torch releases: a run
+stops where the installed torch lacks a variant's option); `max-autotune-gemm` times Triton's matrix-product templates against cuBLAS for each
+product, fusing the pointwise work after a product into a template that wins (bias, GELU),
+`max-autotune-gemm-triton` takes the templates only; inductor's `triton.multi_kernel` is not offered: on
+torch 2.11 a run that loads its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`);
+dynamo's experimental cache of its traced code and guards, so that a warm run need not trace again
+(`caching-precompile`, `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
 `results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
 traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
@@ -80,8 +82,10 @@ VARIANTS = {
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
     "combo-pointwise-only": {"inductor": {"combo_kernels_pointwise_only": True}},
-    "combo-per-subkernel-blocks": {"inductor": {"combo_kernel_per_subkernel_blocks": True}},
+    "combo-shared-blocks": {"inductor": {"combo_kernel_per_subkernel_blocks": False}},
     "no-shape-pad": {"inductor": {"force_shape_pad": False}},
+    "max-autotune-gemm": {"inductor": {"max_autotune_gemm": True}},
+    "max-autotune-gemm-triton": {"inductor": {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON"}},
     "pdl": {"inductor": {"triton.enable_pdl": True}},
     "cooperative-reductions": {"inductor": {"triton.cooperative_reductions": True}},
     "no-split-reductions": {"inductor": {"split_reductions": False}},
@@ -100,9 +104,12 @@ def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.kernels import fused_attention
     from hf_knowgpt.training import trainer
-    from hf_knowgpt.training.fast_path import GraphedStepper
+    from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options
 
     settings = VARIANTS[variant]
+    inductor_options = settings.get("inductor", {})
+    if unknown := inductor_options.keys() - known_inductor_options(inductor_options).keys():
+        raise SystemExit(f"variant {variant}: this torch's inductor has no option {', '.join(sorted(unknown))}")
     if settings.get("dynamo"):
         import torch._dynamo
 
@@ -113,7 +120,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
     fused_attention.PRECOMPUTED_CORRECTION = settings.get(
         "precomputed_correction", fused_attention.PRECOMPUTED_CORRECTION
     )
-    GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **settings.get("inductor", {})}
+    GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     if settings.get("traced_every_run"):  # every part compiled the default way: dynamo traces it in every run

@@ -37,6 +37,15 @@ from .compile_cache import (
 from .data import TrainingBatch, packed_size, packed_token_index
 
 
+def known_inductor_options(options: dict) -> dict:
+    """`options` less those this torch's inductor does not have (each of the graphed step's options only
+    changes its speed): an older torch refuses an option it does not know, and compiles without it here."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    return {name: value for name, value in options.items() if name in known}
+
+
 def reuse_freed_memory() -> int | None:
     """Keep the memory a CPU training step frees inside the process, for the next step to reuse (glibc).
 
@@ -217,11 +226,14 @@ class GraphedStepper:
     # tokens on average (3.4% with 512).
     BUCKET = 256
     # combo_kernels launches independent small kernels (weight casts, bias-gradient sums) as one: the step
-    # is bound by ~300 kernels of a few µs (1.91 against 2.06 ms per step on an H200; benchmarks/RESULTS.md).
-    # force_shape_pad pads every matrix product to multiples of 8, the vocabulary's 257 logits too, which inductor
-    # otherwise leaves to a slow unaligned kernel (28 µs a step): 0.55 s less of the handout recipe's steps on an
-    # H100, 6 runs of 6 (benchmarks/RESULTS.md).
-    INDUCTOR_OPTIONS = {"combo_kernels": True, "force_shape_pad": True}
+    # is bound by ~200 kernels of a few µs (23.2–23.6 s of the handout recipe's steps against 25.8–26.3 s
+    # without, H200). combo_kernel_per_subkernel_blocks gives each kernel of a combo its own block sizes: with
+    # one size for all, the LayerNorm's column sums at width 1024 took 120–177 µs each (four processes' steps
+    # 12.3 s against 9.2–9.3 s; at the handout size 23.3–23.7 s against 23.5–23.9 s). force_shape_pad pads
+    # every matrix product to multiples of 8, the vocabulary's 257 logits too, which inductor otherwise leaves
+    # to a slow unaligned kernel (28 µs a step): 0.55 s less of the handout recipe's steps on an H100, 6 runs
+    # of 6. All in benchmarks/RESULTS.md. Options the installed torch lacks are left out (`known_inductor_options`).
+    INDUCTOR_OPTIONS = {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True, "force_shape_pad": True}
 
     def __init__(
         self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
@@ -233,7 +245,7 @@ class GraphedStepper:
         self.packed = args.packed if packed is None else packed
         self.bucket = bucket or self.BUCKET
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
-        options = self.INDUCTOR_OPTIONS if device.type == "cuda" else None
+        options = known_inductor_options(self.INDUCTOR_OPTIONS) if device.type == "cuda" else None
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.rows = -(-args.batch_size // self.world)  # this process's slice of a full batch, at most
         self.seq_len = trainer.data.static_length
