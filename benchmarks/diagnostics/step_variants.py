@@ -11,34 +11,34 @@ Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `
 before the command starts (`--run_one`). Each variant has its own TorchInductor, Triton and package (compiled
 artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm.
 
-Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or
-1 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or
-one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
+Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or 1
+(`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
+(`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
-`fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512
-instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before
-every graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`);
-inductor options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`:
-`no-shape-pad` pads only the matrix products inductor judges compute-bound, not every one whose sizes are
-not multiples of 8 such as the vocabulary's 257 logits; `pdl` launches each inductor kernel while the one
-before it ends (programmatic dependent launch, Hopper and later); `cooperative-reductions` does a split
-reduction in one kernel with a grid-wide barrier, `no-split-reductions` in one kernel without splitting
-it; `no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch,
-`combo-pointwise-only` leaves reductions out of those combo kernels, `combo-shared-blocks` gives all the
-kernels of a combo one set of block sizes instead of each its own (options of recent torch releases: a run
-stops where the installed torch lacks a variant's option); `max-autotune-gemm` times Triton's matrix-product templates against cuBLAS for each
+`fused_attention.PRECOMPUTED_CORRECTION`); packed steps' token counts rounded up to multiples of 512 instead
+of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
+graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor
+options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads
+only the matrix products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such
+as the vocabulary's 257 logits; `pdl` launches each inductor kernel while the one before it ends (programmatic
+dependent launch, Hopper and later); `cooperative-reductions` does a split reduction in one kernel with a
+grid-wide barrier, `no-split-reductions` in one kernel without splitting it; `no-combo-kernels` launches every
+kernel on its own instead of several independent ones in one launch, `combo-pointwise-only` leaves reductions
+out of those combo kernels, `combo-shared-blocks` gives all the kernels of a combo one set of block sizes
+instead of each its own (options of recent torch releases: a run stops where the installed torch lacks a
+variant's option); `max-autotune-gemm` times Triton's matrix-product templates against cuBLAS for each
 product, fusing the pointwise work after a product into a template that wins (bias, GELU),
-`max-autotune-gemm-triton` takes the templates only; inductor's `triton.multi_kernel` is not offered: on
-torch 2.11 a run that loads its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`);
-dynamo's experimental cache of its traced code and guards, so that a warm run need not trace again
+`max-autotune-gemm-triton` takes the templates only; inductor's `triton.multi_kernel` is not offered: on torch
+2.11 a run that loads its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's
+experimental cache of its traced code and guards, so that a warm run need not trace again
 (`caching-precompile`, `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
 `results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
 traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
-traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads left
-as they are while the step loads, so that its pool of compile workers starts (`compile-workers-when-loaded`,
-`compile_cache._compile_in_this_process`); parts of the compiled step left uncompiled:
-its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
+traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads
+left as they are while the step loads, so that its pool of compile workers starts
+(`compile-workers-when-loaded`, `compile_cache._compile_in_this_process`); parts of the compiled step left
+uncompiled: its batch (`eager-batch`, `GraphedStepper.compiled_device_batch`), its clipping and learning rate
 (`eager-clip`), both (`eager-batch-clip`); CPU training without keeping freed memory for reuse
 (`fast_path.reuse_freed_memory`). Several GPUs, four processes at width 1024:
 
