@@ -102,3 +102,27 @@ def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(m
     monkeypatch.setitem(step_variants.VARIANTS, "from-the-future", {"inductor": {"an_option_of_a_later_torch": 1}})
     with pytest.raises(SystemExit, match="no option an_option_of_a_later_torch"):
         step_variants.run_one("from-the-future", ["--recipe", "quickstart"])
+
+
+def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run(monkeypatch):
+    """`attention-forward-1-warp` runs train.py with the fused kernel's forward programs on one warp and its
+    backward's on two: set in the process before the command starts, as the kernel reads them at each launch."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
+    import step_variants
+
+    from hf_knowgpt.commands import cli
+    from hf_knowgpt.kernels import fused_attention
+
+    for name in ("NUM_WARPS", "BACKWARD_NUM_WARPS", "DEFAULT_SPLITS", "UNIFORMS_PER_DRAW", "PRECOMPUTED_CORRECTION"):
+        monkeypatch.setattr(fused_attention, name, getattr(fused_attention, name))  # restored after the test
+    seen = {}
+    monkeypatch.setattr(
+        cli,
+        "run_script",
+        lambda main: seen.update(
+            argv=sys.argv, forward=fused_attention.NUM_WARPS, backward=fused_attention.BACKWARD_NUM_WARPS
+        ),
+    )
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    step_variants.run_one("attention-forward-1-warp", ["--recipe", "quickstart"])
+    assert seen == {"argv": ["train.py", "--recipe", "quickstart"], "forward": {16: 1}, "backward": {16: 2}}
