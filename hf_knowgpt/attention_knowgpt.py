@@ -200,8 +200,6 @@ class AttentionContext:
     # the blocks' fused kernels (`hf_knowgpt.kernels.fused_layers`) run this call: each block then drops out
     # the attention branch inside its residual + LayerNorm kernel, so the attention layer returns it undropped
     fused_layers: bool = False
-    # the blocks' MLPs take GELU's and the bias's gradients from one kernel (`KnowGPTModel.fused_gelu_backward`)
-    fused_gelu_backward: bool = False
     # packed self-attention group by group of rows of similar length (`KnowGPTModel.attention_by_length`)
     by_length: bool = False
     query_order: torch.Tensor | None = None  # (B or 1, Tq); None: the query positions

@@ -80,14 +80,10 @@ class KnowGPTMLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.dropout = KnowGPTDropout(config.resid_pdrop)
 
-    def forward(self, hidden_states, fused_gelu_backward=False):
+    def forward(self, hidden_states):
         # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
         # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
-        if fused_gelu_backward:  # the same arithmetic; backward, GELU's and the bias's gradients in one kernel
-            hidden_states = _fused_layers().linear_gelu(hidden_states, self.fc.weight, self.fc.bias)
-        else:
-            hidden_states = self.act(self.fc(hidden_states))
-        return self.dropout(self.proj(hidden_states))
+        return self.dropout(self.proj(self.act(self.fc(hidden_states))))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
@@ -111,9 +107,9 @@ class KnowGPTBlock(GradientCheckpointingLayer):
             hidden_states, normalized = _fused_layers().fused_residual_layer_norm(
                 hidden_states, attended, ln2.weight, ln2.bias, ln2.eps, self.attn.resid_dropout.p, self.training
             )
-            return hidden_states + self.mlp(normalized, context.fused_gelu_backward), weights
+            return hidden_states + self.mlp(normalized), weights
         hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.ln2(hidden_states), context.fused_gelu_backward), weights
+        return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
 
 class KnowGPTPerceiverDownBlock(GradientCheckpointingLayer):
@@ -268,10 +264,6 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
     training, each block computes its attention branch's dropout, the residual sum and ln2 in one Triton
     kernel (`hf_knowgpt.kernels.fused_layers`).
 
-    `fused_gelu_backward` (off unless set; an experiment, `benchmarks/diagnostics/step_variants.py`): in
-    training, each block's MLP computes GELU's gradient and its first bias's in one kernel
-    (`fused_layers.linear_gelu`).
-
     `attention_by_length` (off unless set; the trainer sets it for training on a CPU, whose packed batches it
     orders longest first): packed causal self-attention runs group by group of rows, each group only as
     wide as its longest row (`TokenGrid.length_groups`). It reads the rows' lengths on the host, which a
@@ -279,7 +271,6 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
     """
 
     fused_layers = False
-    fused_gelu_backward = False
     attention_by_length = False
 
     def __init__(self, config: KnowGPTConfig):
@@ -372,7 +363,6 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         context = self._attention_context(batch_size, seq_len, past_length, attention_mask, position_ids)
         context.implementation = implementation
         context.fused_layers = self.fused_layers and self.training
-        context.fused_gelu_backward = self.fused_gelu_backward and self.training
         context.by_length = self.attention_by_length
         grid = TokenGrid(batch_size, seq_len, token_index)
         if inputs_embeds is None:

@@ -126,22 +126,3 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     monkeypatch.setattr(sys, "argv", sys.argv)
     step_variants.run_one("attention-forward-1-warp", ["--recipe", "quickstart"])
     assert seen == {"argv": ["train.py", "--recipe", "quickstart"], "forward": {16: 1}, "backward": {16: 2}}
-
-
-def test_step_variants_turns_on_the_fused_gelu_backward_for_every_model_of_the_run(monkeypatch):
-    """`fused-gelu-backward` sets `KnowGPTModel.fused_gelu_backward` before train.py builds its models."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
-    import step_variants
-
-    from hf_knowgpt.commands import cli
-    from hf_knowgpt.kernels import fused_attention
-    from hf_knowgpt.modeling_knowgpt import KnowGPTModel
-
-    for name in ("DEFAULT_SPLITS", "UNIFORMS_PER_DRAW", "PRECOMPUTED_CORRECTION"):
-        monkeypatch.setattr(fused_attention, name, getattr(fused_attention, name))
-    monkeypatch.setattr(KnowGPTModel, "fused_gelu_backward", False)
-    seen = {}
-    monkeypatch.setattr(cli, "run_script", lambda main: seen.update(fused=KnowGPTModel.fused_gelu_backward))
-    monkeypatch.setattr(sys, "argv", sys.argv)
-    step_variants.run_one("fused-gelu-backward", ["--recipe", "quickstart"])
-    assert seen == {"fused": True}

@@ -18,7 +18,6 @@ from hf_knowgpt.kernels import fused_layers
 from hf_knowgpt.kernels.fused_layers import (
     fused_bias_gelu,
     fused_residual_layer_norm,
-    linear_gelu,
     residual_dropout_keep_mask,
 )
 
@@ -293,67 +292,3 @@ def test_compiled_and_graphed_calls_match_eager():
     graph.replay()
     for got, want in zip(captured, eager):
         assert torch.equal(got, want)
-
-
-def linear_gelu_inputs(shape, width, dtype=torch.float32):
-    """x (..., n_in), a Linear's weight (width, n_in) and bias (width,) off their init."""
-    x = torch.randn(shape, device=DEVICE).to(dtype).requires_grad_()
-    weight = (0.3 * torch.randn(width, shape[-1], device=DEVICE)).requires_grad_()
-    bias = (0.5 * torch.randn(width, device=DEVICE)).requires_grad_()
-    return x, weight, bias
-
-
-@pytest.mark.parametrize("shape, width", [((37, 16), 64), ((2, 5, 16), 1040)], ids=str)
-def test_linear_gelu_matches_fp64_reference(shape, width):
-    """fp32: the output and the gradients of x, weight and bias against gelu(linear) in fp64, by the kernel
-    (on a GPU, or under TRITON_INTERPRET=1) or by its PyTorch fallback (elsewhere); 1040 columns make two
-    blocks of columns, the second partly empty."""
-    torch.manual_seed(0)
-    inputs = linear_gelu_inputs(shape, width)
-    out = linear_gelu(*inputs)
-    expected = F.gelu(F.linear(*(tensor.double() for tensor in inputs)))
-    assert_close_to(out, expected, torch.float32, "output")
-    grad_out = torch.randn_like(out)
-    grads = torch.autograd.grad(out, inputs, grad_out)
-    expected_grads = torch.autograd.grad(expected, inputs, grad_out.double())
-    for name, got, want in zip(("x", "weight", "bias"), grads, expected_grads):
-        assert_close_to(got, want, torch.float32, f"gradient of {name}")
-
-
-def test_linear_gelu_under_autocast_computes_as_a_linear_and_gelu_do():
-    """Under bf16 autocast the products run in bf16 as a Linear's do: the output is the plain composition's, and
-    the gradients of x, the weight and the bias, each in its input's dtype, are within a bf16 unit of the plain
-    ones (the kernel's erf and exp are not PyTorch's to the last bit, and it sums the bias's gradient in fp32
-    before rounding, where the product's backward rounds it to bf16)."""
-    torch.manual_seed(0)
-    device = DEVICE if DEVICE == "cuda" else "cpu"
-    inputs = linear_gelu_inputs((37, 16), 64)
-    grad_out = torch.randn(37, 64, device=DEVICE).bfloat16()
-    results = []
-    for function in (linear_gelu, lambda x, weight, bias: F.gelu(F.linear(x, weight, bias))):
-        with torch.autocast(device, dtype=torch.bfloat16):
-            out = function(*inputs)
-        results.append((out, *torch.autograd.grad(out, inputs, grad_out)))
-    (fused_out, *fused_grads), (plain_out, *plain_grads) = results
-    assert fused_out.dtype == torch.bfloat16 and torch.equal(fused_out, plain_out)
-    for name, got, want in zip(("x", "weight", "bias"), fused_grads, plain_grads):
-        assert got.dtype == want.dtype == torch.float32, name
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-8 * scale, msg=f"gradient of {name}")
-
-
-@pytest.mark.skipif(INTERPRETED, reason="torch.compile cannot trace a kernel that Triton's interpreter runs")
-def test_linear_gelu_compiles_without_a_graph_break():
-    """torch.compile traces the function whole (fullgraph): the kernel's backward is a triton_op, the rest
-    plain operations; the compiled gradients are the eager ones. The CPU traces the fallback."""
-    torch.manual_seed(0)
-    inputs = linear_gelu_inputs((37, 16), 64)
-
-    def loss(x, weight, bias):
-        return linear_gelu(x, weight, bias).square().sum()
-
-    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
-    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=backend)(*inputs), inputs)
-    eager = torch.autograd.grad(loss(*inputs), inputs)
-    for got, want in zip(compiled, eager):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

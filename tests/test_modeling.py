@@ -367,29 +367,6 @@ def test_fused_layers_train_as_the_plain_blocks(attention_type, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_fused_gelu_backward_trains_as_the_plain_mlp(packed):
-    """`KnowGPTModel.fused_gelu_backward`: a training step through `fused_layers.linear_gelu` (its kernel under
-    TRITON_INTERPRET=1 or on a GPU, its fallback elsewhere) gives the plain MLP's loss and gradients; in
-    evaluation the flag changes nothing."""
-    ids = random_ids(3, 12)
-    token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate([12, 7, 3])]) if packed else None
-    results = []
-    for fused in (False, True):
-        model = make_model("vanilla", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
-        model.transformer.fused_gelu_backward = fused
-        out = model(ids, labels=ids, token_index=token_index, use_cache=False)
-        out.loss.backward()
-        results.append((out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
-        with torch.no_grad():
-            assert torch.equal(model.eval()(ids).logits, make_model("vanilla")(ids).logits)
-    (plain_loss, plain_grads), (fused_loss, fused_grads) = results
-    assert torch.allclose(plain_loss, fused_loss, atol=1e-6)
-    for name in plain_grads:
-        assert torch.allclose(plain_grads[name], fused_grads[name], atol=1e-5), name
-    assert plain_grads["transformer.blocks.0.mlp.fc.bias"].abs().sum() > 0  # the bias's gradient was compared
-
-
-@pytest.mark.parametrize("packed", [False, True])
 def test_future_token_heads_add_their_mean_cross_entropy_in_training_only(packed):
     """future_tokens=2, spacing 3: heads predict the 4th and 7th token ahead within each row; in training the
     loss is the next-token loss plus their mean, each normalized by the next-token targets' count."""

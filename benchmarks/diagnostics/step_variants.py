@@ -16,9 +16,7 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
-(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); the MLP's GELU gradient and first bias's gradient from
-one kernel instead of inductor's GELU backward and a column sum (`fused-gelu-backward`,
-`KnowGPTModel.fused_gelu_backward`, `fused_layers.linear_gelu`); packed steps' token counts rounded up to multiples of 512 instead
+(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples of 512 instead
 of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
 graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor
 options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads
@@ -82,7 +80,6 @@ VARIANTS = {
     # The fused attention kernel's forward (and correction) programs on one warp, the backward's on two, as
     # `bench_attention.py --groups launch` timed them ("forward 1 warp").
     "attention-forward-1-warp": {"attention_launch": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
-    "fused-gelu-backward": {"fused_gelu_backward": True},
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
@@ -129,10 +126,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
     )
     for name, value in settings.get("attention_launch", {}).items():
         setattr(fused_attention, name, value)
-    if settings.get("fused_gelu_backward"):
-        from hf_knowgpt.modeling_knowgpt import KnowGPTModel
-
-        KnowGPTModel.fused_gelu_backward = True
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)

@@ -13,9 +13,6 @@ way over the (tokens, 4·n_embd) ones. Here each is one kernel forward and one b
   uniform of counter offset + i is at least dropout_p), so only the seed and offset are kept for backward.
 - `fused_bias_gelu(x, bias)` gives `gelu(x + bias)` (the exact erf GELU, torch's default) and in the
   backward pass the gradients of x and bias (the bias's summed in fp32 inside the kernel).
-- `linear_gelu(x, weight, bias)` gives `gelu(F.linear(x, weight, bias))` with the bias in the matrix product,
-  and in the backward pass GELU's gradient and the bias's (its sum over rows) in one kernel: the bias's
-  gradient is otherwise a pass of its own over the (tokens, 4·n_embd) gradient.
 
 Measured (benchmarks/bench_fused_layers.py, H100, forward + backward in a CUDA graph, dropout 0.1, 2026-11-27):
 residual + dropout + LayerNorm 1.45–1.66× faster than PyTorch's composition at the handouts' 16384 × 256
@@ -193,17 +190,14 @@ if triton is not None:
     @triton.jit
     def _bias_gelu_backward(
         GRAD_OUT, X, BIAS, GRAD_X, GRAD_BIAS_PARTS, n_rows, n_cols,
-        HAS_BIAS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     ):  # fmt: skip
         """Row tiles program, program + programs, … of one block of columns: d(x + bias) = dy · (Φ(u) + u·φ(u)),
-        recomputed from x (u = x without HAS_BIAS: a bias added before, in a matrix product); the program's
-        column sums of it (the bias's gradient) go to row `program` of the partial sums."""
+        recomputed from x; the program's column sums of it (the bias's gradient) go to row `program` of the
+        partial sums."""
         program, programs = tl.program_id(0), tl.num_programs(0)
         cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-        if HAS_BIAS:
-            bias = tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        else:
-            bias = tl.zeros((BLOCK_COLS,), tl.float32)
+        bias = tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         grad_bias = tl.zeros((BLOCK_COLS,), tl.float32)
         for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
             rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -297,62 +291,9 @@ class _BiasGelu(torch.autograd.Function):
         grad_bias_parts = torch.empty(programs, width, dtype=torch.float32, device=x.device)
         _bias_gelu_backward[(programs, column_blocks)](
             grad_out.contiguous(), x, bias.contiguous(), grad_x, grad_bias_parts, n_rows, width,
-            HAS_BIAS=True, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
         )  # fmt: skip
         return grad_x, grad_bias_parts.sum(0).to(bias.dtype)
-
-
-if triton is not None:
-
-    @torch.library.triton_op("knowgpt::gelu_backward_with_column_sums", mutates_args=())
-    def _gelu_backward_with_column_sums(
-        grad_out: torch.Tensor, pre: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """GELU's input gradient at `pre` (in pre's dtype) and its fp32 sums over rows, in one pass. A triton_op,
-        so that torch.compile launches the kernel inside the compiled step instead of breaking the graph."""
-        width = pre.shape[-1]
-        n_rows = pre.numel() // width
-        grad_pre = torch.empty_like(pre)
-        block_rows, block_cols, num_warps = _tile(width, max_block=1024)
-        column_blocks = triton.cdiv(width, block_cols)
-        programs = max(1, _reducing_programs(pre.device, triton.cdiv(n_rows, block_rows)) // column_blocks)
-        parts = torch.empty(programs, width, dtype=torch.float32, device=pre.device)
-        unused_bias = torch.empty(1, device=pre.device)  # never read (HAS_BIAS=False); shared with no argument
-        torch.library.wrap_triton(_bias_gelu_backward)[(programs, column_blocks)](
-            grad_out, pre, unused_bias, grad_pre, parts, n_rows, width,
-            HAS_BIAS=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
-        )  # fmt: skip
-        return grad_pre, parts.sum(0)
-
-
-class _LinearGelu(torch.autograd.Function):
-    """gelu(x @ weightᵀ + bias), its matrix products as a Linear's under autocast (in autocast's dtype when it
-    is on), with GELU's backward pass and the bias's gradient in one kernel where the kernels apply."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x_cast, weight_cast = x.to(dtype), weight.to(dtype)
-        pre = F.linear(x_cast, weight_cast, bias.to(dtype))
-        ctx.save_for_backward(x_cast, weight_cast, pre)
-        ctx.dtypes = x.dtype, weight.dtype, bias.dtype
-        return F.gelu(pre)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x_cast, weight_cast, pre = ctx.saved_tensors
-        x_dtype, weight_dtype, bias_dtype = ctx.dtypes
-        grad_out = grad_out.to(pre.dtype).contiguous()
-        if _kernels_apply(grad_out, pre):
-            grad_pre, grad_bias = _gelu_backward_with_column_sums(grad_out, pre.contiguous())
-        else:
-            grad_pre = torch.ops.aten.gelu_backward(grad_out, pre)
-            grad_bias = grad_pre.float().flatten(0, -2).sum(0)
-        rows_grad, rows_x = grad_pre.flatten(0, -2), x_cast.flatten(0, -2)
-        grad_x = (grad_pre @ weight_cast).to(x_dtype)
-        grad_weight = (rows_grad.T @ rows_x).to(weight_dtype)
-        return grad_x, grad_weight, grad_bias.to(bias_dtype)
 
 
 def residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training):
@@ -405,15 +346,6 @@ def fused_bias_gelu(x, bias):
     return _BiasGelu.apply(x, bias)
 
 
-def linear_gelu(x, weight, bias):
-    """gelu(F.linear(x, weight, bias)) (exact erf GELU), its products computed as a Linear's (under autocast in
-    autocast's dtype), and in the backward pass GELU's gradient and the bias's (the sum of that gradient over
-    rows) in one kernel, where the kernels apply (see `_kernels_apply`; elsewhere PyTorch computes both). The
-    bias stays in the forward matrix product, where it costs nothing; what the kernel saves is the separate
-    pass that sums the bias's gradient."""
-    return _LinearGelu.apply(x, weight, bias)
-
-
 def residual_dropout_keep_mask(seed: torch.Tensor, shape, dropout_p: float, offset: int = 0) -> torch.Tensor:
     """The boolean mask of the `branch` elements `fused_residual_layer_norm` keeps for `seed` and `offset`,
     drawn by the same mask function, for tests and debugging (needs Triton)."""
@@ -430,7 +362,6 @@ __all__ = [
     "fused_bias_gelu",
     "fused_layers_available",
     "fused_residual_layer_norm",
-    "linear_gelu",
     "residual_dropout_keep_mask",
     "residual_layer_norm_reference",
 ]
