@@ -113,7 +113,7 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     from hf_knowgpt.commands import cli
     from hf_knowgpt.kernels import fused_attention
 
-    for name in ("NUM_WARPS", "BACKWARD_NUM_WARPS", "DEFAULT_SPLITS", "UNIFORMS_PER_DRAW", "PRECOMPUTED_CORRECTION"):
+    for name in ("NUM_WARPS", "BACKWARD_NUM_WARPS", "DEFAULT_SPLITS"):
         monkeypatch.setattr(fused_attention, name, getattr(fused_attention, name))  # restored after the test
     seen = {}
     monkeypatch.setattr(
@@ -124,5 +124,8 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
         ),
     )
     monkeypatch.setattr(sys, "argv", sys.argv)
+    splits = fused_attention.DEFAULT_SPLITS
     step_variants.run_one("attention-forward-1-warp", ["--recipe", "quickstart"])
     assert seen == {"argv": ["train.py", "--recipe", "quickstart"], "forward": {16: 1}, "backward": {16: 2}}
+    step_variants.run_one("splits1", ["--recipe", "quickstart"])  # a variant sets only what it names
+    assert fused_attention.DEFAULT_SPLITS == 1 and splits == 3 and seen["forward"] == {16: 1}

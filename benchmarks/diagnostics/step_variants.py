@@ -16,8 +16,8 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
-(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples of 512 instead
-of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
+(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
+of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
 graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor
 options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads
 only the matrix products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such
@@ -71,15 +71,16 @@ from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = {
     "as-is": {},
-    "splits3": {"splits": 3},
-    "splits1": {"splits": 1},
-    "uniforms4": {"uniforms": 4},
-    "uniforms1": {"uniforms": 1},
-    "correction-kernel": {"precomputed_correction": True},
-    "correction-inline": {"precomputed_correction": False},
-    # The fused attention kernel's forward (and correction) programs on one warp, the backward's on two, as
-    # `bench_attention.py --groups launch` timed them ("forward 1 warp").
-    "attention-forward-1-warp": {"attention_launch": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
+    # "fused_attention": settings of hf_knowgpt.kernels.fused_attention, which the kernel reads at each launch
+    "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
+    "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
+    "uniforms4": {"fused_attention": {"UNIFORMS_PER_DRAW": 4}},
+    "uniforms1": {"fused_attention": {"UNIFORMS_PER_DRAW": 1}},
+    "correction-kernel": {"fused_attention": {"PRECOMPUTED_CORRECTION": True}},
+    "correction-inline": {"fused_attention": {"PRECOMPUTED_CORRECTION": False}},
+    # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups
+    # launch` timed them ("forward 1 warp").
+    "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
@@ -119,12 +120,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
 
         for name, value in settings["dynamo"].items():
             setattr(torch._dynamo.config, name, value)
-    fused_attention.DEFAULT_SPLITS = settings.get("splits", fused_attention.DEFAULT_SPLITS)
-    fused_attention.UNIFORMS_PER_DRAW = settings.get("uniforms", fused_attention.UNIFORMS_PER_DRAW)
-    fused_attention.PRECOMPUTED_CORRECTION = settings.get(
-        "precomputed_correction", fused_attention.PRECOMPUTED_CORRECTION
-    )
-    for name, value in settings.get("attention_launch", {}).items():
+    for name, value in settings.get("fused_attention", {}).items():
         setattr(fused_attention, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
