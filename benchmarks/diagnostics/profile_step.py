@@ -11,7 +11,8 @@ body directly: the same kernels, compiled ones included, launched one by one.
 Under `accelerate launch --multi_gpu --num_processes N ... benchmarks/diagnostics/profile_step.py <flags>` the
 first process prints the tables (its all-reduce waits for the others: outside the graph the processes do not
 launch in step). After the tables, the slowest inductor kernels are described from the code inductor
-generated: what they fuse, their size hints, and the sizes they are launched with.
+generated: what they fuse, their size hints, and the sizes they are launched with; run with
+TORCHINDUCTOR_BENCHMARK_KERNEL=1, also the bytes inductor estimates each moves and the bandwidth that makes.
 """
 
 import os
@@ -26,7 +27,7 @@ from hf_knowgpt.commands import cli, train
 from hf_knowgpt.training import fast_path, trainer
 
 FIRST, LAST = 20, 40
-INDUCTOR_KERNELS_DESCRIBED = 8
+INDUCTOR_KERNELS_DESCRIBED = 16
 INDUCTOR, OTHER = "inductor's fused kernels", "other"
 # CUDA kernels by what they do, first match wins (names as cuBLAS, inductor and hf_knowgpt.kernels give them)
 KERNEL_KINDS = (
@@ -106,11 +107,11 @@ def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
     for name, (per_step, milliseconds) in kernels.items():
         print(f"{name}: {per_step:.1f} per step, {1000 * milliseconds:.1f} µs each")
         for module in modules:
-            for line in describe_generated_kernel(module, name):
+            for line in describe_generated_kernel(module, name, 1000 * milliseconds):
                 print(f"    {line[:400]}")
 
 
-def describe_generated_kernel(module: str, name: str) -> list[str]:
+def describe_generated_kernel(module: str, name: str, microseconds: float) -> list[str]:
     """The lines of one generated module that say what kernel `name` is (none where it is not defined there)."""
     definition = f"{name} = async_compile.triton('{name}'"
     if definition not in module:
@@ -131,7 +132,20 @@ def describe_generated_kernel(module: str, name: str) -> list[str]:
     ]
     combo = ["combo kernel (several kernels in one launch)"] if "combo_grid_meta" in body else []
     launches = sorted({line.strip() for line in module.splitlines() if f"{name}.run(" in line})
-    return [*sources, *heuristics, *combo, *launches[:3], "--"]
+    return [*sources, *heuristics, *combo, *bytes_moved(body, microseconds), *launches[:3], "--"]
+
+
+def bytes_moved(body: str, microseconds: float) -> list[str]:
+    """Inductor's estimate of the bytes a kernel reads and writes (`kernel_num_gb`, written into the kernel's
+    metadata under TORCHINDUCTOR_BENCHMARK_KERNEL=1, from the sizes it was compiled for), and the bandwidth
+    that makes at the profiled time: how far the kernel is from memory-bound."""
+    found = re.search(r"'kernel_num_gb':\s*([0-9.eE+-]+)", body)
+    if found is None:
+        return []
+    megabytes = 1000 * float(found.group(1))
+    return [
+        f"moves about {megabytes:.1f} MB (inductor's estimate): {1000 * megabytes / microseconds:.0f} GB/s at {microseconds:.1f} µs"
+    ]
 
 
 def profiled_step(self, *args, **kwargs):
