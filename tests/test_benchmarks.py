@@ -129,3 +129,34 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     assert seen == {"argv": ["train.py", "--recipe", "quickstart"], "forward": {16: 1}, "backward": {16: 2}}
     step_variants.run_one("splits1", ["--recipe", "quickstart"])  # a variant sets only what it names
     assert fused_attention.DEFAULT_SPLITS == 1 and splits == 3 and seen["forward"] == {16: 1}
+
+
+def test_profile_step_describes_a_generated_kernel_with_its_bytes_and_bandwidth():
+    """From a module as inductor writes it: the kernel's source nodes, launch heuristics, the bytes inductor
+    estimated (written under TORCHINDUCTOR_BENCHMARK_KERNEL=1) against the profiled time, and its call sites;
+    nothing for a kernel the module does not define."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
+    import profile_step
+
+    quote = "'" * 3
+    module = f"""
+# Topologically Sorted Source Nodes: [gelu], Original ATen: [aten.gelu]
+triton_poi_fused_gelu_8 = async_compile.triton('triton_poi_fused_gelu_8', {quote}
+@triton_heuristics.pointwise(
+    size_hints={{'x': 8388608}},
+    inductor_meta={{'grid_type': 'Grid1D', 'kernel_num_gb': 0.031457, 'kernel_name': 'triton_poi_fused_gelu_8'}},
+)
+def triton_poi_fused_gelu_8(in_ptr0, out_ptr0, xnumel, XBLOCK): pass
+{quote}, device_str='cuda')
+    triton_poi_fused_gelu_8.run(buf120, buf121, xnumel, stream=stream0)
+"""
+    lines = profile_step.describe_generated_kernel(module, "triton_poi_fused_gelu_8", 12.0)
+    assert lines[0] == "# Topologically Sorted Source Nodes: [gelu], Original ATen: [aten.gelu]"
+    assert "moves about 31.5 MB (inductor's estimate): 2621 GB/s at 12.0 µs" in lines
+    assert "triton_poi_fused_gelu_8.run(buf120, buf121, xnumel, stream=stream0)" in lines
+    assert profile_step.describe_generated_kernel(module, "triton_red_fused_sum_8", 12.0) == []
+    no_estimate = module.replace("'kernel_num_gb': 0.031457, ", "")
+    assert not any(
+        "moves about" in line
+        for line in profile_step.describe_generated_kernel(no_estimate, "triton_poi_fused_gelu_8", 12.0)
+    )

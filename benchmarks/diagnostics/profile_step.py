@@ -178,8 +178,8 @@ def profiled_graphed_run(self, first_step, count, should_stop):
     return count
 
 
-trainer.KnowGPTTrainer.optimizer_step = profiled_step
-fast_path.GraphedStepper.run = profiled_graphed_run
 if __name__ == "__main__":
+    trainer.KnowGPTTrainer.optimizer_step = profiled_step
+    fast_path.GraphedStepper.run = profiled_graphed_run
     sys.argv = ["train.py", *sys.argv[1:]]
     cli.main_guard(train.main)
