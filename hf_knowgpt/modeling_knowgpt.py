@@ -37,6 +37,7 @@ from .attention_knowgpt import (
     KnowGPTSelfAttention,
     KnowGPTSynthesizerAttention,
     TokenGrid,
+    project,
 )
 from .configuration_knowgpt import KnowGPTConfig
 
@@ -83,7 +84,8 @@ class KnowGPTMLP(nn.Module):
     def forward(self, hidden_states):
         # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
         # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
-        return self.dropout(self.proj(self.act(self.fc(hidden_states))))
+        (expanded,) = project(hidden_states, (self.fc,))
+        return self.dropout(self.proj(self.act(expanded)))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):

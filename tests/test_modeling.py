@@ -272,6 +272,95 @@ def test_attention_kernel_dtype_under_bf16_autocast(attention_type, monkeypatch)
         tiny_config(attention_type, attention_kernel_dtype="fp32")
 
 
+def test_the_bias_gradient_from_the_weight_gradients_product_equals_the_column_sum():
+    """Under bf16 autocast the product with a ones column gives the linear layer's output and gradients as
+    autograd's own (the output bitwise: the same product; the gradients to bf16's rounding, added in
+    another order), against the same arithmetic in fp64; the gradients come back in each tensor's dtype."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(3, 40, 24, generator=generator, requires_grad=True)
+    weight = torch.randn(56, 24, generator=generator, requires_grad=True)
+    bias = torch.randn(56, generator=generator, requires_grad=True)
+    grad = torch.randn(3, 40, 56, generator=generator).bfloat16()
+    results = []
+    for function in (
+        F.linear,
+        lambda *args: attention_knowgpt._LinearWithBiasGradientInProduct.apply(*args, torch.bfloat16),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = function(inputs, weight, bias)
+        results.append((output, *torch.autograd.grad(output, (inputs, weight, bias), grad)))
+    (plain_output, *plain_grads), (output, *grads) = results
+    assert output.dtype == torch.bfloat16 and torch.equal(output, plain_output)
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    rounded = [t.detach().bfloat16().double() for t in (inputs, weight)]
+    flat_grad = grad.double().reshape(-1, 56)
+    exact = (
+        (flat_grad @ rounded[1]).reshape(inputs.shape),
+        flat_grad.t() @ rounded[0].reshape(-1, 24),
+        flat_grad.sum(0),
+    )
+    for got, plain, want in zip(grads, plain_grads, exact):
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, plain, rtol=1e-2, atol=1e-2)
+
+
+def test_linear_takes_the_bias_gradient_from_the_product_only_where_told(monkeypatch):
+    """`linear` runs the ones-column product only on the device types listed, in half-precision autocast,
+    with gradients on: every other call is F.linear."""
+    inputs = torch.randn(5, 8, requires_grad=True)
+    layer = torch.nn.Linear(8, 12)
+
+    def backward_name(device_types, autocast=True, grad=True):
+        monkeypatch.setattr(attention_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", device_types)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
+            output = attention_knowgpt.linear(inputs, layer.weight, layer.bias)
+        return type(output.grad_fn).__name__
+
+    assert backward_name(("cpu",)) == "_LinearWithBiasGradientInProductBackward"
+    assert backward_name(()) == "AddmmBackward0"
+    assert backward_name(("cuda",)) == "AddmmBackward0"
+    assert backward_name(("cpu",), autocast=False) == "AddmmBackward0"
+    assert backward_name(("cpu",), grad=False) == "NoneType"
+
+
+@pytest.mark.parametrize(
+    "attention_type, device",
+    [
+        ("vanilla", "cpu"),
+        ("synthesizer", "cpu"),
+        pytest.param(
+            "vanilla", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+        ),
+    ],
+)
+def test_a_training_step_with_bias_gradients_from_the_products(attention_type, device, monkeypatch):
+    """The whole model under bf16 autocast, eager and compiled (on a CPU through AOTAutograd alone, on a GPU by
+    inductor as training compiles it): with the ones-column products (the attention's projections, the MLP's
+    first layer) the same loss and, to bf16's rounding, the same gradients."""
+    ids = random_ids(2, 10).to(device)
+
+    def loss_and_grads(device_types, compiled=False):
+        monkeypatch.setattr(attention_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", device_types)
+        model = make_model(attention_type).to(device)
+        backend = "inductor" if device == "cuda" else "aot_eager"
+        forward = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = forward(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+    plain_loss, plain = loss_and_grads(())
+    for compiled in (False, True):
+        loss, grads = loss_and_grads((device,), compiled)
+        torch.testing.assert_close(loss, plain_loss)
+        for name in (
+            "transformer.blocks.0.mlp.fc.bias",
+            "transformer.blocks.1.mlp.fc.weight",
+            "transformer.ln_f.weight",
+        ):
+            torch.testing.assert_close(grads[name], plain[name], rtol=2e-2, atol=2e-3, msg=name)
+
+
 def test_sequences_longer_than_block_size_are_rejected():
     model = make_model("vanilla")
     with pytest.raises(ValueError, match="block_size=24"):

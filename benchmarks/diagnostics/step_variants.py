@@ -16,7 +16,10 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
-(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
+(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); the bias gradients of the attention's projections
+and the MLP's first layer from their weight gradients' products, a column of ones appended to the input, not
+from column sums of their own (`bias-gradient-in-product`,
+`attention_knowgpt.BIAS_GRADIENT_IN_PRODUCT_DEVICES`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
 graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor
 options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads
@@ -81,6 +84,8 @@ VARIANTS = {
     # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups
     # launch` timed them ("forward 1 warp").
     "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
+    # "attention_knowgpt": settings of hf_knowgpt.attention_knowgpt, which the model reads at each call
+    "bias-gradient-in-product": {"attention_knowgpt": {"BIAS_GRADIENT_IN_PRODUCT_DEVICES": ("cuda",)}},
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
@@ -106,6 +111,7 @@ VARIANTS = {
 
 
 def run_one(variant: str, train_args: list[str]) -> None:
+    from hf_knowgpt import attention_knowgpt
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.kernels import fused_attention
     from hf_knowgpt.training import trainer
@@ -120,8 +126,12 @@ def run_one(variant: str, train_args: list[str]) -> None:
 
         for name, value in settings["dynamo"].items():
             setattr(torch._dynamo.config, name, value)
-    for name, value in settings.get("fused_attention", {}).items():
-        setattr(fused_attention, name, value)
+    for module, name_values in (
+        (fused_attention, settings.get("fused_attention", {})),
+        (attention_knowgpt, settings.get("attention_knowgpt", {})),
+    ):
+        for name, value in name_values.items():
+            setattr(module, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
