@@ -354,9 +354,9 @@ class _LinearWithBiasGradientInProduct(torch.autograd.Function):
     the incoming gradient, transposed, times the input with a column of ones appended. The ones column's
     product is the bias's gradient, which is otherwise a column sum over every token in a reduction kernel of
     its own; seven columns of zeros after it keep the rows' stride a multiple of 16 bytes, as the matrix
-    products' kernels need. It pays where the output is wider than the input (the attention's three
-    projections, the MLP's first layer): the reduction reads the (tokens, out) gradient, the product's extra
-    columns add 8 of `in`."""
+    products' kernels need. It can pay where the output is wider than the input (the attention's three
+    projections, the MLP's first layer): the reduction it replaces reads the (tokens, out) gradient, while
+    the input with its extra columns is (tokens, in + 8), written once more and read by the product."""
 
     @staticmethod
     def forward(ctx, inputs, weight, bias, dtype):
