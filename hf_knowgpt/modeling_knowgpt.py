@@ -33,13 +33,12 @@ from .attention_knowgpt import (
     ATTENTION_FUNCTIONS,
     AttentionContext,
     KnowGPTCrossAttention,
-    KnowGPTDropout,
     KnowGPTSelfAttention,
     KnowGPTSynthesizerAttention,
     TokenGrid,
-    project,
 )
 from .configuration_knowgpt import KnowGPTConfig
+from .layers_knowgpt import KnowGPTDropout, project
 
 logger = logging.get_logger(__name__)
 

@@ -137,14 +137,12 @@ def test_step_variants_sets_the_models_bias_gradient_setting_before_the_run(monk
     sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
     import step_variants
 
-    from hf_knowgpt import attention_knowgpt
+    from hf_knowgpt import layers_knowgpt
     from hf_knowgpt.commands import cli
 
-    monkeypatch.setattr(attention_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", ())  # restored after the test
+    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", ())  # restored after the test
     seen = []
-    monkeypatch.setattr(
-        cli, "run_script", lambda main: seen.append(attention_knowgpt.BIAS_GRADIENT_IN_PRODUCT_DEVICES)
-    )
+    monkeypatch.setattr(cli, "run_script", lambda main: seen.append(layers_knowgpt.BIAS_GRADIENT_IN_PRODUCT_DEVICES))
     monkeypatch.setattr(sys, "argv", sys.argv)
     step_variants.run_one("as-is", ["--recipe", "quickstart"])
     step_variants.run_one("bias-gradient-in-product", ["--recipe", "quickstart"])

@@ -31,7 +31,13 @@ LAYERS = [
     ("commands", ["hf_knowgpt.commands", "hf_knowgpt.commands.*"]),
 ]
 # What a checkpoint carries beside its weights (`save_pretrained` copies a class's file and its relative imports).
-MODEL_FILES = {"configuration_knowgpt.py", "attention_knowgpt.py", "modeling_knowgpt.py", "options.py"}
+MODEL_FILES = {
+    "configuration_knowgpt.py",
+    "attention_knowgpt.py",
+    "layers_knowgpt.py",
+    "modeling_knowgpt.py",
+    "options.py",
+}
 TOKENIZER_FILES = {"tokenization_knowgpt.py"}
 MAX_LINES = 600
 

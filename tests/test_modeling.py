@@ -4,7 +4,7 @@ from conftest import ATTENTION_TYPES, perturbed_model, run_checkpoint_code_witho
 from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
-from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast, attention_knowgpt
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTModel, KnowGPTTokenizerFast, attention_knowgpt, layers_knowgpt
 from hf_knowgpt.attention_knowgpt import TokenGrid
 
 VOCAB = 23
@@ -284,7 +284,7 @@ def test_the_bias_gradient_from_the_weight_gradients_product_equals_the_column_s
     results = []
     for function in (
         F.linear,
-        lambda *args: attention_knowgpt._LinearWithBiasGradientInProduct.apply(*args, torch.bfloat16),
+        lambda *args: layers_knowgpt._LinearWithBiasGradientInProduct.apply(*args, torch.bfloat16),
     ):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             output = function(inputs, weight, bias)
@@ -311,9 +311,9 @@ def test_linear_takes_the_bias_gradient_from_the_product_only_where_told(monkeyp
     layer = torch.nn.Linear(8, 12)
 
     def backward_name(device_types, autocast=True, grad=True):
-        monkeypatch.setattr(attention_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", device_types)
+        monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", device_types)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
-            output = attention_knowgpt.linear(inputs, layer.weight, layer.bias)
+            output = layers_knowgpt.linear(inputs, layer.weight, layer.bias)
         return type(output.grad_fn).__name__
 
     assert backward_name(("cpu",)) == "_LinearWithBiasGradientInProductBackward"
@@ -340,7 +340,7 @@ def test_a_training_step_with_bias_gradients_from_the_products(attention_type, d
     ids = random_ids(2, 10).to(device)
 
     def loss_and_grads(device_types, compiled=False):
-        monkeypatch.setattr(attention_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", device_types)
+        monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", device_types)
         model = make_model(attention_type).to(device)
         backend = "inductor" if device == "cuda" else "aot_eager"
         forward = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
@@ -407,7 +407,7 @@ def test_checkpoint_loads_with_trust_remote_code_without_the_package(attention_t
 
 @pytest.mark.parametrize("p", [0.1, 0.3])
 def test_cpu_dropout_drops_at_rate_p_scales_to_keep_the_mean_and_repeats_with_the_seed(p):
-    dropout = attention_knowgpt.KnowGPTDropout(p).train()
+    dropout = layers_knowgpt.KnowGPTDropout(p).train()
     states = torch.ones(400, 1000, dtype=torch.float64, requires_grad=True)
     torch.manual_seed(3)
     dropped = dropout(states)
@@ -424,7 +424,7 @@ def test_cpu_dropout_drops_at_rate_p_scales_to_keep_the_mean_and_repeats_with_th
 
 
 def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four():
-    dropout = attention_knowgpt.KnowGPTDropout(0.5).train()
+    dropout = layers_knowgpt.KnowGPTDropout(0.5).train()
     for shape in [(1,), (3, 7), (2, 5, 9)]:
         states = torch.randn(shape, dtype=torch.bfloat16)
         dropped = dropout(states)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, attention_knowgpt
-from hf_knowgpt.attention_knowgpt import KnowGPTDropout
+from hf_knowgpt.layers_knowgpt import KnowGPTDropout
 from hf_knowgpt.training.optimization import handout_parameter_groups
 
 
