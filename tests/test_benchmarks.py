@@ -14,7 +14,10 @@ from cs224n_reference import GPT, Config
 from hf_knowgpt.utils.timeline import phase_seconds
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
 import bench_user_path  # noqa: E402
+import profile_step  # noqa: E402
+import step_variants  # noqa: E402
 
 
 def test_the_handouts_loop_trains_and_answers_as_one_process(tmp_path):
@@ -83,9 +86,6 @@ def test_the_handout_loop_is_timed_over_at_least_two_epochs_of_each_stage(capsys
 
 def test_step_variants_gives_each_run_its_own_seed():
     """`--seed N`, added to each run's train.py flags, reaches train.py: not read as the script's `--seeds`."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
-    import step_variants
-
     _, args, train_args = step_variants.parse_args(
         ["--run_one", "as-is", "--recipe", "handout", "--seed", "3", "--output_dir", "o"]
     )
@@ -96,9 +96,6 @@ def test_step_variants_gives_each_run_its_own_seed():
 def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(monkeypatch):
     """A variant whose inductor option this torch does not have would otherwise run as the code is (the
     graphed step leaves unknown options out) and be reported as if it had been measured."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
-    import step_variants
-
     monkeypatch.setitem(step_variants.VARIANTS, "from-the-future", {"inductor": {"an_option_of_a_later_torch": 1}})
     with pytest.raises(SystemExit, match="no option an_option_of_a_later_torch"):
         step_variants.run_one("from-the-future", ["--recipe", "quickstart"])
@@ -107,9 +104,6 @@ def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(m
 def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run(monkeypatch):
     """`attention-forward-1-warp` runs train.py with the fused kernel's forward programs on one warp and its
     backward's on two: set in the process before the command starts, as the kernel reads them at each launch."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
-    import step_variants
-
     from hf_knowgpt.commands import cli
     from hf_knowgpt.kernels import fused_attention
 
@@ -134,9 +128,6 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
 def test_step_variants_sets_the_models_bias_gradient_setting_before_the_run(monkeypatch):
     """`bias-gradient-in-product` runs train.py with the model's linear layers taking their bias gradients from
     their weight gradients' products on a GPU; `as-is` leaves the setting as it is (none)."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
-    import step_variants
-
     from hf_knowgpt import layers_knowgpt
     from hf_knowgpt.commands import cli
 
@@ -153,9 +144,6 @@ def test_profile_step_describes_a_generated_kernel_with_its_bytes_and_bandwidth(
     """From a module as inductor writes it: the kernel's source nodes, launch heuristics, the bytes inductor
     estimated (written under TORCHINDUCTOR_BENCHMARK_KERNEL=1) against the profiled time, and its call sites;
     nothing for a kernel the module does not define."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
-    import profile_step
-
     quote = "'" * 3
     module = f"""
 # Topologically Sorted Source Nodes: [gelu], Original ATen: [aten.gelu]
