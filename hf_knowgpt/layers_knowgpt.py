@@ -1,6 +1,5 @@
 """Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
-and linear layers of one input run as one matrix product (`project`), whose bias gradient can come from the
-weight gradient's product (`linear`)."""
+and linear layers of one input run as one matrix product (`project`)."""
 
 import torch
 from torch import nn
@@ -32,59 +31,10 @@ def _unchanged(states: torch.Tensor) -> torch.Tensor:
     return states
 
 
-# Device types ("cuda") whose half-precision training takes a linear layer's bias gradient from its weight
-# gradient's product (`_LinearWithBiasGradientInProduct`); none until that is measured faster as a whole run.
-BIAS_GRADIENT_IN_PRODUCT_DEVICES: tuple[str, ...] = ()
-
-
-class _LinearWithBiasGradientInProduct(torch.autograd.Function):
-    """x · weightᵀ + bias in the autocast dtype `dtype`, whose weight and bias gradients are one matrix product:
-    the incoming gradient, transposed, times the input with a column of ones appended. The ones column's
-    product is the bias's gradient, which is otherwise a column sum over every token in a reduction kernel of
-    its own; seven columns of zeros after it keep the rows' stride a multiple of 16 bytes, as the matrix
-    products' kernels need. It can pay where the output is wider than the input (the attention's three
-    projections, the MLP's first layer): the reduction it replaces reads the (tokens, out) gradient, while
-    the input with its extra columns is (tokens, in + 8), written once more and read by the product."""
-
-    @staticmethod
-    def forward(ctx, inputs, weight, bias, dtype):
-        ctx.input_dtype, ctx.weight_dtype, ctx.bias_dtype = inputs.dtype, weight.dtype, bias.dtype
-        inputs, weight = inputs.to(dtype), weight.to(dtype)
-        ctx.save_for_backward(inputs, weight)
-        return F.linear(inputs, weight, bias.to(dtype))
-
-    @staticmethod
-    def backward(ctx, grad):
-        inputs, weight = ctx.saved_tensors
-        grad = grad.to(weight.dtype)
-        grad_inputs = (grad @ weight).to(ctx.input_dtype)
-        rows = inputs.reshape(-1, inputs.shape[-1])
-        with_ones = torch.cat([rows, rows.new_ones(rows.shape[0], 1), rows.new_zeros(rows.shape[0], 7)], dim=1)
-        both = grad.reshape(-1, grad.shape[-1]).t() @ with_ones  # (out, in + 8)
-        grad_weight, grad_bias = both[:, : rows.shape[1]], both[:, rows.shape[1]]
-        return grad_inputs, grad_weight.to(ctx.weight_dtype), grad_bias.to(ctx.bias_dtype), None
-
-
-def linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`; in half-precision autocast training on a device of `BIAS_GRADIENT_IN_PRODUCT_DEVICES`,
-    through `_LinearWithBiasGradientInProduct` (the same values, the gradients added in another order)."""
-    device = inputs.device.type
-    if (
-        device in BIAS_GRADIENT_IN_PRODUCT_DEVICES
-        and bias is not None
-        and torch.is_grad_enabled()
-        and torch.is_autocast_enabled(device)
-        and torch.get_autocast_dtype(device) in (torch.bfloat16, torch.float16)
-    ):
-        return _LinearWithBiasGradientInProduct.apply(inputs, weight, bias, torch.get_autocast_dtype(device))
-    return F.linear(inputs, weight, bias)
-
-
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
-    """Several Linear layers of one input (or one), each output passed through `place` (say, into the (B, T)
-    grid). Plain ones run as one product of their concatenated weights (one kernel instead of several, forward
-    and backward, and one `place`) through `linear`; layers that are replaced or hooked (adapters) run as the
-    modules they are."""
+    """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
+    Plain ones run as one product of their concatenated weights (one kernel instead of several, forward and
+    backward, and one `place`); layers that are replaced or hooked (adapters) run as the modules they are."""
     if place is None:  # not `place or …`: torch 2.11's dynamo cannot take the truth of a bound method
         place = _unchanged
     plain = all(
@@ -93,13 +43,10 @@ def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tenso
     )
     if not plain:
         return [place(layer(hidden_states)) for layer in layers]
-    if len(layers) == 1:
-        weight, bias = layers[0].weight, layers[0].bias
-    else:
-        weight = torch.cat([layer.weight for layer in layers])
-        bias = torch.cat([layer.bias for layer in layers])
-    projected = place(linear(hidden_states, weight, bias))
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = torch.cat([layer.bias for layer in layers])
+    projected = place(F.linear(hidden_states, weight, bias))
     return list(projected.split([layer.out_features for layer in layers], dim=-1))
 
 
-__all__ = ["BIAS_GRADIENT_IN_PRODUCT_DEVICES", "KnowGPTDropout", "linear", "project"]
+__all__ = ["KnowGPTDropout", "project"]

@@ -125,21 +125,6 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     assert fused_attention.DEFAULT_SPLITS == 1 and splits == 3 and seen["forward"] == {16: 1}
 
 
-def test_step_variants_sets_the_models_bias_gradient_setting_before_the_run(monkeypatch):
-    """`bias-gradient-in-product` runs train.py with the model's linear layers taking their bias gradients from
-    their weight gradients' products on a GPU; `as-is` leaves the setting as it is (none)."""
-    from hf_knowgpt import layers_knowgpt
-    from hf_knowgpt.commands import cli
-
-    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_IN_PRODUCT_DEVICES", ())  # restored after the test
-    seen = []
-    monkeypatch.setattr(cli, "run_script", lambda main: seen.append(layers_knowgpt.BIAS_GRADIENT_IN_PRODUCT_DEVICES))
-    monkeypatch.setattr(sys, "argv", sys.argv)
-    step_variants.run_one("as-is", ["--recipe", "quickstart"])
-    step_variants.run_one("bias-gradient-in-product", ["--recipe", "quickstart"])
-    assert seen == [(), ("cuda",)]
-
-
 def test_profile_step_describes_a_generated_kernel_with_its_bytes_and_bandwidth():
     """From a module as inductor writes it: the kernel's source nodes, launch heuristics, the bytes inductor
     estimated (written under TORCHINDUCTOR_BENCHMARK_KERNEL=1) against the profiled time, and its call sites;

@@ -16,10 +16,7 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
-(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); the bias gradients of the attention's projections
-and the MLP's first layer from their weight gradients' products, a column of ones appended to the input, not
-from column sums of their own (`bias-gradient-in-product`,
-`layers_knowgpt.BIAS_GRADIENT_IN_PRODUCT_DEVICES`); packed steps' token counts rounded up to multiples
+(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
 graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor
 options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads
@@ -84,8 +81,6 @@ VARIANTS = {
     # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups
     # launch` timed them ("forward 1 warp").
     "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
-    # "layers_knowgpt": settings of hf_knowgpt.layers_knowgpt, which the model reads at each call
-    "bias-gradient-in-product": {"layers_knowgpt": {"BIAS_GRADIENT_IN_PRODUCT_DEVICES": ("cuda",)}},
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
@@ -111,7 +106,6 @@ VARIANTS = {
 
 
 def run_one(variant: str, train_args: list[str]) -> None:
-    from hf_knowgpt import layers_knowgpt
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.kernels import fused_attention
     from hf_knowgpt.training import trainer
@@ -126,12 +120,8 @@ def run_one(variant: str, train_args: list[str]) -> None:
 
         for name, value in settings["dynamo"].items():
             setattr(torch._dynamo.config, name, value)
-    for module, name_values in (
-        (fused_attention, settings.get("fused_attention", {})),
-        (layers_knowgpt, settings.get("layers_knowgpt", {})),
-    ):
-        for name, value in name_values.items():
-            setattr(module, name, value)
+    for name, value in settings.get("fused_attention", {}).items():
+        setattr(fused_attention, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
