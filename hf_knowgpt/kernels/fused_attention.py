@@ -48,7 +48,8 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 # The longest sequence: the knowledge recipe's block of 192 positions fits (blocks of 16 positions loop
 # over up to 16 blocks; the dropout mask's row stride is 256).
 MAX_SEQ_LEN = 256
-# Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy.
+# Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy. One part
+# trains the knowledge recipe 5% faster but answered 0.5 points less over ten runs (benchmarks/RESULTS.md).
 DEFAULT_SPLITS = 3
 # Positions per block of queries or keys, and warps per program for each block size (tuned with
 # benchmarks/bench_attention.py; see benchmarks/RESULTS.md).
