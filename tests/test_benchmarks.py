@@ -151,3 +151,29 @@ def triton_poi_fused_gelu_8(in_ptr0, out_ptr0, xnumel, XBLOCK): pass
         "moves about" in line
         for line in profile_step.describe_generated_kernel(no_estimate, "triton_poi_fused_gelu_8", 12.0)
     )
+
+
+def test_step_variants_reports_the_kernel_configurations_a_run_tuned(monkeypatch, tmp_path):
+    """A run writes inductor's counters into its output directory when it ends (through the exit handlers that
+    `run_script` runs), so that the table can say whether a warm run tuned its kernels again; a process that
+    never compiled writes nothing and imports no dynamo."""
+    import atexit
+
+    from hf_knowgpt.commands import cli
+
+    handlers = []
+    monkeypatch.setattr(atexit, "register", lambda function, *args: handlers.append((function, args)))
+    monkeypatch.setattr(cli, "run_script", lambda main: None)
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    step_variants.run_one("as-is", ["--recipe", "quickstart", "--output_dir", str(tmp_path / "run")])
+    [(function, args)] = handlers
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters["inductor"], "coordesc_tuning_bench", 7)
+    function(*args)
+    written = json.loads((tmp_path / "run" / step_variants.COUNTERS_FILE).read_text())
+    assert written["coordesc_tuning_bench"] == 7
+
+    monkeypatch.delitem(sys.modules, "torch._dynamo.utils")
+    step_variants.write_inductor_counters(tmp_path / "uncompiled")
+    assert not (tmp_path / "uncompiled").exists()

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Variants of the training step's kernels, each as the whole `scripts/train.py` command (one process per
 run), variants alternating within each seed so that the machine's drift hits all; a table of dev accuracy,
-compilation and capture (and how many graphs were captured, the first of which compiles), pretraining steps
-and the whole process printed last.
+compilation and capture (and how many graphs were captured, the first of which compiles), pretraining steps,
+the whole process and how many kernel configurations coordinate-descent tuning timed (`tuned`: none in a run
+that found every kernel's tuned configuration kept) printed last.
 
     python benchmarks/diagnostics/step_variants.py --variants splits3,splits1 --seeds 0,1,2 --output OUT.json -- \\
         --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile
@@ -55,6 +56,7 @@ for instance:
 """
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -103,6 +105,21 @@ VARIANTS = {
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
 }
+
+
+COUNTERS_FILE = "inductor_counters.json"
+
+
+def write_inductor_counters(output_dir: Path) -> None:
+    """Inductor's counters of this process (`coordesc_tuning_bench`: kernel configurations timed by
+    coordinate-descent tuning) into the run's output directory, from the first process only; nothing where
+    the run did not compile, so that a process that never imported dynamo does not import it at exit."""
+    if os.environ.get("RANK", "0") != "0" or "torch._dynamo.utils" not in sys.modules:
+        return
+    from torch._dynamo.utils import counters
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / COUNTERS_FILE).write_text(json.dumps(dict(counters["inductor"])))
 
 
 def run_one(variant: str, train_args: list[str]) -> None:
@@ -154,6 +171,8 @@ def run_one(variant: str, train_args: list[str]) -> None:
                 setattr(self, part, None)
 
         GraphedStepper.__init__ = init_with_uncompiled_parts
+    if "--output_dir" in train_args:  # run_script runs the exit handlers before it ends the process
+        atexit.register(write_inductor_counters, Path(train_args[train_args.index("--output_dir") + 1]))
     sys.argv = ["train.py", *train_args]
     cli.run_script(train.main)
 
@@ -207,6 +226,8 @@ def main():
             pretrain = summary["stages"]["pretrain"]
             phases = dict(phase_seconds(started_wall, summary["timeline"], ended_wall))
             steps_s = pretrain["train_seconds"] - pretrain["warmup_seconds"]  # loading precedes train_seconds
+            counters_file = output_dir / COUNTERS_FILE
+            counters = json.loads(counters_file.read_text()) if counters_file.is_file() else {}
             runs.append(
                 {
                     "variant": variant,
@@ -220,6 +241,7 @@ def main():
                     "exit_s": phases["exit"],
                     "process_less_steps_s": seconds - steps_s,
                     "page_faults": faults,
+                    "coordesc_benchmarks": counters.get("coordesc_tuning_bench", 0),
                     "final_loss": pretrain["final_loss"],
                     "dev_accuracy": summary["dev"]["accuracy"],
                 }
@@ -229,14 +251,14 @@ def main():
         Path(args.output).write_text(json.dumps(runs, indent=2))
     print(
         f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'graphs':>8}"
-        f"{'first s':>9}{'load s':>8}{'steps s':>9}{'exit s':>8}{'process s':>11}{'less steps':>12}{'page faults':>13}"
+        f"{'first s':>9}{'load s':>8}{'steps s':>9}{'exit s':>8}{'process s':>11}{'less steps':>12}{'page faults':>13}{'tuned':>7}"
     )
     for run in runs:
         print(
             f"{run['variant']:<20}{run['seed']:>6}{100 * run['dev_accuracy']:>8.1f}{run['final_loss']:>12.3f}"
             f"{run['pretrain_capture_s']:>11.1f}{run['pretrain_graphs']:>8}{run['pretrain_first_capture_s']:>9.1f}"
             f"{run['pretrain_load_s']:>8.2f}{run['pretrain_steps_s']:>9.1f}{run['exit_s']:>8.2f}{run['process_s']:>11.1f}"
-            f"{run['process_less_steps_s']:>12.1f}{run['page_faults']:>13,}"
+            f"{run['process_less_steps_s']:>12.1f}{run['page_faults']:>13,}{run['coordesc_benchmarks']:>7}"
         )
 
 
