@@ -14,7 +14,8 @@ On a GPU, in one run:
    thread (no pool of compile workers to start and stop); compiled with empty compiler caches but the
    artifacts the package saved from an earlier compiled run (`compiled-cold-saved-artifacts`: a new machine
    or container given ~/.cache/hf_knowgpt); compiled under `accelerate launch --mixed_precision bf16`
-   (warm), whose launcher is a process of its own.
+   (warm), whose launcher is a process of its own; with `--tune_kernels` added, compiled (`tuned-cold`,
+   `tuned-warm`) or `auto` (`auto-tuned-cold`, `auto-tuned-warm`).
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -54,6 +55,10 @@ RUNS = (
     "uncompiled-warm-fused-layers",
     "auto-cold",
     "auto-warm",
+    "tuned-cold",
+    "tuned-warm",
+    "auto-tuned-cold",
+    "auto-tuned-warm",
 )
 DEFAULT_RUNS = ("uncompiled-cold", "auto-cold", "auto-warm", "compiled-cold", "compiled-warm")
 # The compiler's caches, and the package's copy of what a compiled run compiled (hf_knowgpt.training.compile_cache).
@@ -215,6 +220,10 @@ def main(argv=None):
             "uncompiled-warm-fused-layers": [*direct, "--fused_layers"],
             "auto-cold": [*direct, "--torch_compile", "auto"],
             "auto-warm": [*direct, "--torch_compile", "auto"],
+            "tuned-cold": [*direct, "--torch_compile", "--tune_kernels"],
+            "tuned-warm": [*direct, "--torch_compile", "--tune_kernels"],
+            "auto-tuned-cold": [*direct, "--torch_compile", "auto", "--tune_kernels"],
+            "auto-tuned-warm": [*direct, "--torch_compile", "auto", "--tune_kernels"],
         }
         # a run named twice is kept twice: the second as "<run> (2)", and so on
         keys = [

@@ -1,8 +1,10 @@
 """The fast paths compute the same function as the plain (handout-style) path."""
 
 import copy
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -636,6 +638,20 @@ def test_compile_is_true_false_or_auto():
         TrainingArguments(output_dir="o", compile="sometimes")
 
 
+def test_tuning_kernels_needs_compiling():
+    assert TrainingArguments(output_dir="o", compile="auto", tune_kernels=True).tune_kernels is True
+    with pytest.raises(ValueError, match="tune_kernels: tunes the compiled step's kernels \\(give --torch_compile"):
+        TrainingArguments(output_dir="o", tune_kernels=True)
+
+
+def test_tuned_kernels_compile_with_coordinate_descent_through_tritons_launcher():
+    """`tune_kernels` adds inductor's coordinate-descent tuning and leaves its static launcher, whose kernels
+    torch 2.11 tuned again in every process; the options are part of the artifacts file's key."""
+    plain, tuned = GraphedStepper.inductor_options(False), GraphedStepper.inductor_options(True)
+    assert "coordinate_descent_tuning" not in plain and "use_static_cuda_launcher" not in plain
+    assert tuned == {**plain, "coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
+
+
 def test_gradients_are_summed_in_fp32_or_bf16_only():
     assert TrainingArguments(output_dir="o", gradient_reduce_dtype="bf16").gradient_reduce_dtype == "bf16"
     with pytest.raises(ValueError, match="gradient_reduce_dtype: must be one of \\['fp32', 'bf16'\\], got 'fp16'"):
@@ -715,7 +731,7 @@ def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(
     lock = artifacts.with_suffix(".compiling")
     assert lock.read_text() == str(child.pid)
     assert background_compile.start_background_compile(trainer, artifacts, "sdpa") is None  # one at a time
-    specification = Path(child.args[-2])
+    specification = Path(child.args[-3])
     rebuilt = background_compile.trainer_from_specification(specification)
     assert rebuilt.args.compile is True and rebuilt.args.stop_after_steps == 1
     assert rebuilt.args.output_dir != trainer.args.output_dir
@@ -730,3 +746,82 @@ def test_the_background_compile_rebuilds_the_same_step_and_releases_its_lock(
     assert retry.wait(timeout=600) == 0
     lock.write_text("999999999")  # a process that no longer runs: its lock is taken over
     assert background_compile._claim(lock) and lock.read_text() == str(os.getpid())
+
+
+def test_the_background_compile_of_tuned_kernels_waits_for_the_run_to_end(pretraining_data, tmp_path, monkeypatch):
+    """With `tune_kernels` the background process is given the run's process id and starts once no process
+    has it: tuning times kernels on the GPU, which the run's own kernels would share."""
+    import dataclasses
+    import signal
+    import time
+
+    from hf_knowgpt.training import background_compile
+
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path / "compiled"))
+    tokenizer, data = pretraining_data
+    trainer = make_trainer(tmp_path / "run", data, fresh_model(len(tokenizer)), graphed=True)
+    trainer.args = dataclasses.replace(trainer.args, compile="auto", tune_kernels=True)
+    artifacts = GraphedStepper(trainer, bucket=64).artifacts
+    child = background_compile.start_background_compile(trainer, artifacts, "sdpa")
+    try:
+        assert child.args[-1] == str(os.getpid())
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # it would wait for this test's process
+        child.wait()
+        shutil.rmtree(Path(child.args[-3]).parent, ignore_errors=True)
+    # the wait itself: a run that ends after a second, reaped as a shell reaps it
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    threading.Thread(target=run.wait).start()
+    started = time.perf_counter()
+    background_compile.wait_for_exit(run.pid, poll_seconds=0.05)
+    assert time.perf_counter() - started > 0.5
+    with pytest.raises(ProcessLookupError):
+        os.kill(run.pid, 0)
+    background_compile.wait_for_exit(0)  # no process to wait for: at once
+
+
+TUNED_STEP_PROBE = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+sys.path.insert(0, sys.argv[1])
+from test_fast_path import _pretraining_data, fresh_model
+from hf_knowgpt.training.arguments import TrainingArguments
+from hf_knowgpt.training.fast_path import GraphedStepper
+from hf_knowgpt.training.trainer import KnowGPTTrainer
+
+tokenizer, data = _pretraining_data()
+args = TrainingArguments(output_dir=sys.argv[2], max_epochs=2, batch_size=16, training_path="graphed",
+                         compile=True, tune_kernels=True)
+trainer = KnowGPTTrainer(fresh_model(len(tokenizer)).cuda(), data, args)
+trainer.data.to("cuda")
+trainer.optimizer = trainer._make_optimizer(graphed=True)
+stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
+losses = []
+for step in range(3):
+    trainer.optimizer.zero_grad(set_to_none=True)
+    stepper._body(stepper._prepare_packed(step))
+    losses.append(stepper.take_loss().item())
+stepper.save_compiled()
+print(json.dumps({"tuned": counters["inductor"]["coordesc_tuning_bench"], "losses": losses}))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tuning times Triton kernels on a CUDA device")
+def test_tuned_kernels_are_kept_for_later_processes(tmp_path):
+    """A compiled step with `tune_kernels` tunes its kernels once: a later process loads the tuned
+    configurations from inductor's cache and tunes nothing, and so does one given only the package's file
+    (inductor's and Triton's caches emptied, as after a reboot)."""
+    caches = {name: str(tmp_path / name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    env = {**os.environ, **caches, "KNOWGPT_COMPILE_CACHE": str(tmp_path / "compiled")}
+    runs = []
+    for name in ("first", "later", "after-reboot"):
+        if name == "after-reboot":
+            for folder in caches.values():
+                shutil.rmtree(folder)
+        done = subprocess.run([sys.executable, "-c", TUNED_STEP_PROBE, str(Path(__file__).parent), str(tmp_path / name)],
+                              capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, later, after_reboot = runs
+    assert first["tuned"] > 0 and later["tuned"] == 0 and after_reboot["tuned"] == 0, runs

@@ -178,6 +178,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--training_path", "plain"], {"S.training_path": "plain"}),
     ("handout", ["--torch_compile"], {"S.compile": True}),
     ("handout", ["--torch_compile", "auto"], {"S.compile": "auto"}),
+    ("handout", ["--torch_compile", "--tune_kernels"], {"S.compile": True, "S.tune_kernels": True}),
     ("handout", ["--mixed_precision", "bf16"], {"S.mixed_precision": "bf16"}),
     ("handout", ["--per_device_train_batch_size", "32"], {"S.per_device_train_batch_size": 32}),
     ("handout", ["--with_tracking"], {"S.report_to": "tensorboard"}),
@@ -261,7 +262,12 @@ def train_flag_cases():
     # finetuning's 80 steps would not repay a compilation: train.py compiles the pretraining stage
     cases.append(("handout", ["--torch_compile"], {"pretrain.compile": True}))
     cases.append(("handout", ["--torch_compile", "auto"], {"pretrain.compile": "auto"}))
+    cases.append(
+        ("handout", ["--torch_compile", "--tune_kernels"], {"pretrain.compile": True, "pretrain.tune_kernels": True})
+    )
     for recipe, flags, expected in SINGLE_STAGE_FLAGS + PRETRAIN_ONLY_FLAGS:
+        if "S.tune_kernels" in expected:  # tuning goes with compiling: pretraining's, as above
+            continue
         ((field, value),) = expected.items()
         if not field.startswith("S."):
             cases.append((recipe, flags, expected))

@@ -312,3 +312,11 @@ def test_torch_compile_takes_auto_or_nothing(corpus, tmp_path):
                      flag, value)  # fmt: skip
         assert result.returncode == 2 and f"{flag} {message}" in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr and not (tmp_path / "o").exists()
+
+
+def test_tuning_kernels_needs_compiling(corpus, tmp_path):
+    """`--tune_kernels` tunes the compiled step: alone it is refused at once, naming the flag to add."""
+    result = run(SCRIPTS / "pretrain.py", "--pretrain_corpus_path", corpus.corpus, "--output_dir", tmp_path / "o",
+                 "--tune_kernels")  # fmt: skip
+    assert_one_line_error(result, "tune_kernels: tunes the compiled step's kernels (give --torch_compile too)")
+    assert not (tmp_path / "o").exists()

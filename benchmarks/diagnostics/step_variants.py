@@ -86,6 +86,9 @@ VARIANTS = {
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
+    "coordinate-descent-dynamic-launch": {
+        "inductor": {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
+    },
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
     "combo-pointwise-only": {"inductor": {"combo_kernels_pointwise_only": True}},

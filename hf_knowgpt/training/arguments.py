@@ -39,6 +39,10 @@ class TrainingArguments:
     # is faster than compiling from nothing, while a background process compiles for the next run
     # (hf_knowgpt.training.background_compile). Several processes compile as with True.
     compile: bool | str = False
+    # With compile: inductor times each kernel's block sizes and warps once (coordinate-descent tuning) and keeps
+    # the fastest, so later runs load tuned kernels. The first compilation takes about a minute longer; under
+    # compile="auto" the background process waits for this run to end, so that its timings are its own.
+    tune_kernels: bool = False
     # "no", "bf16" or "fp16"; None: accelerate's configuration (`accelerate launch --mixed_precision`, else no)
     mixed_precision: str | None = None
     # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
@@ -78,6 +82,10 @@ class TrainingArguments:
             raise InputError("training_path", f"must be one of {list(TRAINING_PATHS)}, got {self.training_path!r}")
         if self.compile not in (True, False, "auto"):
             raise InputError("compile", f"must be True, False or 'auto', got {self.compile!r}")
+        if self.tune_kernels not in (True, False):
+            raise InputError("tune_kernels", f"must be True or False, got {self.tune_kernels!r}")
+        if self.tune_kernels and not self.compile:
+            raise InputError("tune_kernels", "tunes the compiled step's kernels", "give --torch_compile too")
         if self.mixed_precision not in (None, "no", "bf16", "fp16"):
             raise InputError("mixed_precision", f"must be no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.gradient_reduce_dtype not in GRADIENT_REDUCE_DTYPES:

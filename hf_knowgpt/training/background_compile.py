@@ -7,7 +7,9 @@ H100), so the run trains uncompiled and `start_background_compile` hands the ste
 the same model configuration, training arguments and data, trained for one step with `compile=True` into a
 temporary folder, which leaves the compiled artifacts in the package's file for the next run. It needs a
 free moment of the GPU for that step, and CPU cores for the compilation; its output goes to a log beside the
-artifacts. One process at a time per file: a lock file next to it, removed when the process ends.
+artifacts. One process at a time per file: a lock file next to it, removed when the process ends. With
+`tune_kernels` it starts only once the run has ended: tuning times every kernel on the GPU, and the run's
+own kernels would distort those timings.
 """
 
 import dataclasses
@@ -17,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -72,9 +75,11 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
     torch.save(specification, work / "specification.pt")
     # Inductor's compile workers on all but two cores: the run's own loop keeps one to feed the GPU.
     environment = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(max(1, (os.cpu_count() or 1) - 2))}
+    after = os.getpid() if trainer.args.tune_kernels else 0  # the process to wait for; 0: none
     with open(log_path, "w") as log:  # the child keeps its own handle
         child = subprocess.Popen(
-            [sys.executable, "-m", "hf_knowgpt.training.background_compile", str(work / "specification.pt"), str(lock)],
+            [sys.executable, "-m", "hf_knowgpt.training.background_compile", str(work / "specification.pt"), str(lock),
+             str(after)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=environment,
         )  # fmt: skip
     lock.write_text(str(child.pid))  # the child's now: a later run sees whether it still compiles
@@ -91,10 +96,22 @@ def trainer_from_specification(path: Path):
     return specification["trainer_class"](model, specification["data"], specification["args"])
 
 
+def wait_for_exit(pid: int, poll_seconds: float = 0.5) -> None:
+    """Return once no process has the id `pid` (0: at once)."""
+    while pid:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):  # ended (PermissionError: another user's process took the id)
+            return
+        time.sleep(poll_seconds)
+
+
 def main(argv=None) -> None:
-    specification, lock = (Path(argument) for argument in (argv or sys.argv[1:]))
+    specification, lock, after = argv or sys.argv[1:]
+    specification, lock = Path(specification), Path(lock)
     os.nice(10)  # the run that started this one comes first on the CPU
     try:
+        wait_for_exit(int(after))
         trainer_from_specification(specification).train()  # one step, compiled; the stepper saves its artifacts
     finally:
         lock.unlink(missing_ok=True)

@@ -234,6 +234,11 @@ class GraphedStepper:
     # to a slow unaligned kernel (28 µs a step): 0.55 s less of the handout recipe's steps on an H100, 6 runs
     # of 6. All in benchmarks/RESULTS.md. Options the installed torch lacks are left out (`known_inductor_options`).
     INDUCTOR_OPTIONS = {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True, "force_shape_pad": True}
+    # `tune_kernels`: coordinate-descent tuning of every kernel's block sizes and warps, kept in inductor's cache
+    # and the package's file. Kernels loaded back through inductor's static launcher were tuned again in every
+    # run on torch 2.11 (10–20 s of a warm run, pytorch#172819); through Triton's launcher a later run finds
+    # the tuned configurations and loads as fast (benchmarks/RESULTS.md, "Coordinate-descent tuning").
+    TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
 
     def __init__(
         self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
@@ -245,7 +250,7 @@ class GraphedStepper:
         self.packed = args.packed if packed is None else packed
         self.bucket = bucket or self.BUCKET
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
-        options = known_inductor_options(self.INDUCTOR_OPTIONS) if device.type == "cuda" else None
+        options = self.inductor_options(args.tune_kernels) if device.type == "cuda" else None
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.rows = -(-args.batch_size // self.world)  # this process's slice of a full batch, at most
         self.seq_len = trainer.data.static_length
@@ -305,6 +310,11 @@ class GraphedStepper:
             started = time.perf_counter()
             self._compile(options)
             self.load_seconds = time.perf_counter() - started
+
+    @classmethod
+    def inductor_options(cls, tune_kernels: bool = False) -> dict:
+        """What the step compiles with on a GPU; part of its artifacts file's key."""
+        return known_inductor_options({**cls.INDUCTOR_OPTIONS, **(cls.TUNING_OPTIONS if tune_kernels else {})})
 
     def _compile(self, options):
         """The step's three parts compiled, each whole, from what an earlier process saved where it did."""

@@ -139,7 +139,7 @@ class RunConfig:
                 f"  {stage:<9} {args.max_epochs} epoch{'s' * (args.max_epochs != 1)}{origin}, batch {args.batch_size}, lr {args.learning_rate:g}, "
                 f"final_tokens {args.final_tokens if args.final_tokens is not None else 'the run’s end'}, "
                 f"{'shuffled' if args.shuffle else 'file order'}, seed {args.seed}, path {args.training_path}"
-                f"{_COMPILED.get(args.compile, '')} → {args.output_dir}"
+                f"{_COMPILED.get(args.compile, '')}{', kernels tuned' * args.tune_kernels} → {args.output_dir}"
             )
         return "\n".join(lines)
 

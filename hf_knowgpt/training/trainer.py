@@ -466,8 +466,9 @@ class KnowGPTTrainer:
 
             started = start_background_compile(self, stepper.artifacts, attn_implementation)  # for the next run
             log = log_file(stepper.artifacts)
+            when = ", once this run has ended (tuning times the kernels on the GPU)" if args.tune_kernels else ""
             where = (
-                f"compiling it for the next run in the background (log: {log})"
+                f"compiling it for the next run in the background{when} (log: {log})"
                 if started
                 else "another process compiles it"
             )
