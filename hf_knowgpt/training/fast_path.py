@@ -237,7 +237,8 @@ class GraphedStepper:
     # `tune_kernels`: coordinate-descent tuning of every kernel's block sizes and warps, kept in inductor's cache
     # and the package's file. Kernels loaded back through inductor's static launcher were tuned again in every
     # run on torch 2.11 (10–20 s of a warm run, pytorch#172819); through Triton's launcher a later run finds
-    # the tuned configurations and loads as fast (benchmarks/RESULTS.md, "Coordinate-descent tuning").
+    # the tuned configurations, for 0.3–0.6 s more of loading (benchmarks/RESULTS.md, "Coordinate-descent
+    # tuning kept between runs"). Not the default: a warm handout run gains nothing, the first takes ~50 s more.
     TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
 
     def __init__(
