@@ -32,17 +32,28 @@ def log_file(artifacts: Path) -> Path:
     return artifacts.with_suffix(".log")
 
 
+def _running(pid: int) -> bool:
+    """Whether a process has the id `pid` (0: this process's group, which runs). One of another user counts as
+    ended: it took the id of ours."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
 def _claim(lock: Path) -> bool:
     """Create `lock` holding this process's id; False where a live process holds it (a dead one's is taken over)."""
     try:
         descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         try:
-            os.kill(int(lock.read_text() or 0), 0)
-            return False  # its process still compiles
-        except (ValueError, ProcessLookupError, PermissionError, FileNotFoundError):
-            lock.unlink(missing_ok=True)  # left by a process that died (a reboot, a kill)
-            return _claim(lock)
+            if _running(int(lock.read_text() or 0)):  # empty: its claimer has yet to write its id
+                return False  # its process still compiles
+        except (ValueError, FileNotFoundError):
+            pass
+        lock.unlink(missing_ok=True)  # left by a process that died (a reboot, a kill)
+        return _claim(lock)
     with os.fdopen(descriptor, "w") as file:
         file.write(str(os.getpid()))
     return True
@@ -98,11 +109,7 @@ def trainer_from_specification(path: Path):
 
 def wait_for_exit(pid: int, poll_seconds: float = 0.5) -> None:
     """Return once no process has the id `pid` (0: at once)."""
-    while pid:
-        try:
-            os.kill(pid, 0)
-        except (ProcessLookupError, PermissionError):  # ended (PermissionError: another user's process took the id)
-            return
+    while pid and _running(pid):
         time.sleep(poll_seconds)
 
 
