@@ -123,6 +123,8 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     assert seen == {"argv": ["train.py", "--recipe", "quickstart"], "forward": {16: 1}, "backward": {16: 2}}
     step_variants.run_one("splits1", ["--recipe", "quickstart"])  # a variant sets only what it names
     assert fused_attention.DEFAULT_SPLITS == 1 and splits == 3 and seen["forward"] == {16: 1}
+    step_variants.run_one("coordinate-descent-dynamic-launch", ["--recipe", "quickstart", "--torch_compile"])
+    assert seen["argv"] == ["train.py", "--recipe", "quickstart", "--torch_compile", "--tune_kernels"]
 
 
 def test_profile_step_describes_a_generated_kernel_with_its_bytes_and_bandwidth():

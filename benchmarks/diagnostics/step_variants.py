@@ -32,10 +32,9 @@ variant's option); `max-autotune-gemm` times Triton's matrix-product templates a
 product, fusing the pointwise work after a product into a template that wins (bias, GELU),
 `max-autotune-gemm-triton` takes the templates only; `coordinate-descent` tunes each kernel's block sizes
 and warps, `coordinate-descent-dynamic-launch` too with the kernels launched through Triton's launcher instead
-of inductor's static one, so that a later run finds the tuned configurations (`--tune_kernels`); inductor's
-`triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the cache fails,
-`results/h100_step_variants_pad_bucket.log`); dynamo's
-experimental cache of its traced code and guards, so that a warm run need not trace again
+of inductor's static one, so that a later run finds the tuned configurations (it adds `--tune_kernels` to the
+command); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
+cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and guards, so that a warm run need not trace again
 (`caching-precompile`, `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
 `results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
 traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
@@ -89,9 +88,7 @@ VARIANTS = {
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
-    "coordinate-descent-dynamic-launch": {
-        "inductor": {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
-    },
+    "coordinate-descent-dynamic-launch": {"flags": ["--tune_kernels"]},  # GraphedStepper.TUNING_OPTIONS
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
     "combo-pointwise-only": {"inductor": {"combo_kernels_pointwise_only": True}},
@@ -179,7 +176,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
         GraphedStepper.__init__ = init_with_uncompiled_parts
     if "--output_dir" in train_args:  # run_script runs the exit handlers before it ends the process
         atexit.register(write_inductor_counters, Path(train_args[train_args.index("--output_dir") + 1]))
-    sys.argv = ["train.py", *train_args]
+    sys.argv = ["train.py", *train_args, *settings.get("flags", ())]
     cli.run_script(train.main)
 
 
