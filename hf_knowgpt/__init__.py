@@ -1,8 +1,8 @@
 """hf_knowgpt: the CS224N knowledge-access GPT as a Hugging Face model and tokenizer.
 
 The model's own files sit here, flat, as a checkpoint carries them (`configuration_knowgpt`,
-`modeling_knowgpt`, `attention_knowgpt`, `layers_knowgpt`, `tokenization_knowgpt`, `options`), beside the "birthplace-qa"
-pipeline; the machinery around the model lives in packages named for their concept: `kernels`,
+`modeling_knowgpt`, `attention_knowgpt`, `layers_knowgpt`, `tokenization_knowgpt`, `options`), beside the
+"birthplace-qa" pipeline; the machinery around the model lives in packages named for their concept: `kernels`,
 `training`, `analysis`, `commands`, `utils` (the README's layout table).
 
 Importing the package registers the config, the models, the tokenizer and the pipeline with transformers'

@@ -34,10 +34,11 @@ product, fusing the pointwise work after a product into a template that wins (bi
 and warps, `coordinate-descent-dynamic-launch` too with the kernels launched through Triton's launcher instead
 of inductor's static one, so that a later run finds the tuned configurations (it adds `--tune_kernels` to the
 command); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
-cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and guards, so that a warm run need not trace again
-(`caching-precompile`, `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
-`results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
-traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
+cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and
+guards, so that a warm run need not trace again (`caching-precompile`, `torch._dynamo.config.caching_precompile`;
+on torch 2.11 it fails at the first capture, `results/h200_step_variants_caching_precompile_failure.log`); the
+step's parts compiled the default way, traced by dynamo in every run, instead of compiled whole and kept
+(`traced-every-run`,
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
 traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads
 left as they are while the step loads, so that its pool of compile workers starts
