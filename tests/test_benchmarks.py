@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,17 @@ def test_step_variants_gives_each_run_its_own_seed():
     )
     assert args.run_one == "as-is" and args.seeds == "0,1,2"
     assert train_args == ["--recipe", "handout", "--seed", "3", "--output_dir", "o"]
+
+
+def test_step_variants_keeps_caches_where_told_and_apart_per_variant(tmp_path):
+    """`--caches DIR` is the script's, not train.py's; each variant's three caches lie under DIR and apart from
+    another variant's, so that a later call's runs find the tuned or compiled step of their own variant."""
+    _, args, train_args = step_variants.parse_args(["--caches", str(tmp_path), "--", "--recipe", "handout"])
+    assert args.caches == str(tmp_path) and train_args == ["--recipe", "handout"]
+    as_is, splits1 = (step_variants.variant_caches(tmp_path, v) for v in ("as-is", "splits1"))
+    assert set(as_is) == {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE"}
+    assert all(Path(folder).is_relative_to(tmp_path) for folder in [*as_is.values(), *splits1.values()])
+    assert len({*as_is.values(), *splits1.values()}) == 6
 
 
 def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(monkeypatch):

@@ -10,7 +10,8 @@ that found every kernel's tuned configuration kept) printed last.
 
 Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `--output_dir`, the variant set
 before the command starts (`--run_one`). Each variant has its own TorchInductor, Triton and package (compiled
-artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm.
+artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm (`--caches DIR` keeps
+them under DIR, where other runs of this script find them).
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or 1
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
@@ -181,6 +182,14 @@ def run_one(variant: str, train_args: list[str]) -> None:
     cli.run_script(train.main)
 
 
+def variant_caches(root: Path, variant: str) -> dict:
+    """The environment that gives a variant's runs their TorchInductor, Triton and package caches under `root`."""
+    return {
+        name: str(root / f"{variant}-caches" / name)
+        for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
+    }
+
+
 def parse_args(argv=None):
     """This script's flags, and the rest for `scripts/train.py`. No abbreviations: `--seed` (train.py's, given to
     each run) must not be taken for `--seeds`."""
@@ -190,6 +199,12 @@ def parse_args(argv=None):
     parser.add_argument("--variants", default="splits3,splits1", help=f"from {', '.join(VARIANTS)}, in order")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=None, help="write the runs as JSON here")
+    parser.add_argument(
+        "--caches",
+        default=None,
+        help="keep each variant's caches under this folder instead of a new temporary one, so that runs of this"
+        " script one after another or at once share them (a folder filled elsewhere: its runs start warm)",
+    )
     parser.add_argument(
         "--processes", type=int, default=1, help="more than 1: each run under `accelerate launch --multi_gpu`"
     )
@@ -211,10 +226,7 @@ def main():
     for seed in args.seeds.split(","):
         for variant in variants:
             output_dir = work / f"{variant}-seed{seed}-run{len(runs)}"
-            caches = {
-                name: str(work / f"{variant}-caches" / name)
-                for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "KNOWGPT_COMPILE_CACHE")
-            }
+            caches = variant_caches(Path(args.caches) if args.caches else work, variant)
             this_run = [__file__, "--run_one", variant, *train_args, "--seed", seed]
             if args.processes > 1:
                 command = launch(args.processes, precision, *this_run)
