@@ -22,7 +22,8 @@ def encode_texts(tokenizer, texts: list[str], source: str = "input") -> list[lis
     """Character ids of each text. Characters outside the vocabulary become the unknown id, and a warning
     names each of them with the first place it occurs: `file:line` when `source` is a file, else the item."""
     texts = list(texts)
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    # whole documents, longer than the model's block (model_max_length) and cut later: no warning about length
+    ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
     unk_id = tokenizer.unk_token_id
     if unk_id is None or not any(unk_id in row for row in ids):
         return ids

@@ -138,6 +138,7 @@ def convert_cs224n_checkpoint(
     if missing or unexpected:
         raise InputError(params_path, f"parameters missing {missing}, unexpected {unexpected}")
     model.generation_config.suppress_tokens = [tokenizer.unk_token_id]
+    tokenizer.model_max_length = config.block_size
     model.eval()
     if output_dir is not None:
         model.save_pretrained(output_dir)

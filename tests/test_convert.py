@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import ATTENTION_TYPES, REPO_ROOT
 from cs224n_reference import GPT, Config
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_knowgpt.convert_cs224n import convert_cs224n_checkpoint
 
@@ -58,6 +58,7 @@ def test_converted_checkpoint_reproduces_the_handout_model_logits(attention_type
     assert (logits[..., :vocab_size] - expected).abs().max() <= 1e-5
     # generation never picks the unknown id whose head row is zero
     assert converted.generation_config.suppress_tokens == [vocab_size]
+    assert AutoTokenizer.from_pretrained(output_dir).model_max_length == 32  # the handout model's block
 
 
 def test_converter_infers_heads_from_rope_and_synthesizer_weights(tmp_path):

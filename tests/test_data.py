@@ -4,6 +4,8 @@ import pytest
 import torch
 from conftest import DEV_TSV, HAS_DATA, TEST_TSV, TRAIN_TSV, WIKI, needs_data, tiny_config
 from torch.nn import functional as F
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as transformers_logging
 
 from data_loaders import (
     MASK_ID,
@@ -12,6 +14,7 @@ from data_loaders import (
     NameDataset,
     collate_handout_pairs,
     encode_birthplace_examples,
+    encode_texts,
     generate_people,
     load_birthplaces,
     load_corpus,
@@ -201,6 +204,18 @@ def test_cs224n_classes_on_the_real_files():
 
 
 @needs_data
+def test_documents_longer_than_the_tokenizers_model_length_encode_whole_and_quietly():
+    """A checkpoint's tokenizer carries the model's block as model_max_length; documents are longer and are
+    cut only later, so encoding them must keep every id and not warn of indexing errors."""
+    tokenizer = KnowGPTTokenizerFast.from_corpus("abc de", model_max_length=4)
+    with CaptureLogger(transformers_logging.get_logger("transformers.tokenization_utils_base")) as captured:
+        ids = encode_texts(tokenizer, ["abc de abc", "ed"])
+    assert [len(row) for row in ids] == [10, 2] and "longer than the specified maximum" not in captured.out
+    with CaptureLogger(transformers_logging.get_logger("transformers.tokenization_utils_base")) as captured:
+        tokenizer("abc de abc")  # the warning this guards against
+    assert "longer than the specified maximum" in captured.out
+
+
 def test_builders_return_the_right_row_counts():
     corpus = load_corpus(WIKI)
     assert list(corpus) == ["train"] and corpus["train"].num_rows == 2937

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import CPU_ONLY, DEV_TSV, REPO_ROOT, needs_data
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, pipeline
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 import hf_knowgpt  # noqa: F401
 from data_loaders import write_synthetic_corpus
@@ -152,6 +152,10 @@ def test_pretrain_finetune_evaluate_and_pipeline_end_to_end(corpus, tmp_path):
 
     run_script(SCRIPTS / "finetune.py", "--model_name_or_path", pretrained, "--finetune_corpus_path", corpus.train,
                "--output_dir", finetuned, "--max_epochs", 2, "--batch_size", 8)  # fmt: skip
+    for checkpoint in (pretrained, finetuned):  # the tokenizer knows the model's block, as a 🤗 checkpoint's does
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        assert tokenizer.model_max_length == 64
+        assert len(tokenizer("Where was " * 20, truncation=True)["input_ids"]) == 64
     card = (finetuned / "README.md").read_text()
     # a local base model is named in the text; Hub metadata (base_model) names Hub models only
     assert "base_model:" not in card and f"from `{pretrained}`" in card

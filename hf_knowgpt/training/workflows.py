@@ -113,6 +113,8 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
     Returns the trained (unwrapped) model and the stage's metrics."""
 
     def export(directory, unwrapped, result=None):
+        # as a 🤗 checkpoint's tokenizer does: truncation=True cuts at the model's block, pipelines warn beyond it
+        tokenizer.model_max_length = unwrapped.config.block_size
         tokenizer.save_pretrained(directory)
         facts = _card_facts(unwrapped, tokenizer, args, result, accelerator, **card)
         write_model_card(directory, facts)
