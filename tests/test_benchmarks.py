@@ -17,6 +17,7 @@ from hf_knowgpt.utils.timeline import phase_seconds
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
 import bench_user_path  # noqa: E402
+import compare_accuracy  # noqa: E402
 import profile_step  # noqa: E402
 import step_variants  # noqa: E402
 
@@ -191,3 +192,32 @@ def test_step_variants_reports_the_kernel_configurations_a_run_tuned(monkeypatch
     monkeypatch.delitem(sys.modules, "torch._dynamo.utils")
     step_variants.write_inductor_counters(tmp_path / "uncompiled")
     assert not (tmp_path / "uncompiled").exists()
+
+
+def test_compare_accuracy_groups_runs_by_file_and_variant_and_measures_the_gap(tmp_path, capsys):
+    """Groups read step_variants' JSON runs (one variant's where named, a file matched twice counted once);
+    the gap is Welch's: the difference of means over the root of the summed squared standard errors."""
+
+    def write(name, runs):
+        (tmp_path / name).write_text(
+            json.dumps([dict(variant=v, seed=0, dev_accuracy=a, final_loss=0.1) for v, a in runs])
+        )
+
+    write("pair_seed0.json", [("as-is", 0.88), ("splits1", 0.86)])
+    write("pair_seed1.json", [("as-is", 0.90), ("splits1", 0.87)])
+    write("alone.json", [("as-is", 0.89)])
+    groups = compare_accuracy.main(
+        ["--group", f"base={tmp_path}/pair_*.json:as-is,{tmp_path}/alone.json,{tmp_path}/pair_seed0.json:as-is",
+         "--group", f"other={tmp_path}/pair_*.json:splits1"]
+    )  # fmt: skip
+    base, other = groups["base"], groups["other"]
+    assert base["accuracies"] == [88.0, 90.0, 89.0] and other["accuracies"] == [86.0, 87.0]
+    assert base["mean"] == 89.0 and base["std"] == 1.0 and (other["low"], other["high"]) == (86.0, 87.0)
+    expected = (86.5 - 89.0) / (1.0**2 / 3 + 0.5 / 2) ** 0.5  # other's variance: 0.5
+    assert abs(compare_accuracy.standard_errors_apart(base, other) - expected) < 1e-12
+    assert f"{expected:+.1f} se" in capsys.readouterr().out
+    for bad in ("no-equals-sign", "=x.json", "name="):
+        with pytest.raises(SystemExit):
+            compare_accuracy.main(["--group", bad])
+    with pytest.raises(SystemExit, match="no file matches"):
+        compare_accuracy.main(["--group", f"none={tmp_path}/missing*.json"])
