@@ -10,8 +10,9 @@ that found every kernel's tuned configuration kept) printed last.
 
 Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `--output_dir`, the variant set
 before the command starts (`--run_one`). Each variant has its own TorchInductor, Triton and package (compiled
-artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm (`--caches DIR` keeps
-them under DIR, where other runs of this script find them).
+artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm (`--caches
+DIR` keeps them under DIR, where other runs of this script find them). `compare_accuracy.py` reads the JSON
+files of several such runs and compares the accuracy of groups of them.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or 1
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
