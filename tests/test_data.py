@@ -203,7 +203,6 @@ def test_cs224n_classes_on_the_real_files():
     assert accented in WIKI.read_text(encoding="utf-8")
 
 
-@needs_data
 def test_documents_longer_than_the_tokenizers_model_length_encode_whole_and_quietly():
     """A checkpoint's tokenizer carries the model's block as model_max_length; documents are longer and are
     cut only later, so encoding them must keep every id and not warn of indexing errors."""
@@ -216,6 +215,7 @@ def test_documents_longer_than_the_tokenizers_model_length_encode_whole_and_quie
     assert "longer than the specified maximum" in captured.out
 
 
+@needs_data
 def test_builders_return_the_right_row_counts():
     corpus = load_corpus(WIKI)
     assert list(corpus) == ["train"] and corpus["train"].num_rows == 2937
