@@ -92,6 +92,43 @@ def test_tokenizer_save_load_and_auto_tokenizer(tmp_path):
     assert batch["input_ids"][0].tolist()[2:] == [0, 0] and batch["attention_mask"][0].tolist() == [1, 1, 0, 0]
 
 
+def test_tokenizer_keeps_transformers_tokenizer_contracts(tmp_path):
+    """What tests/test_tokenization_common.py asks of any tokenizer, for one id per character and nothing
+    added around the text: padding and truncation on either side, pairs, offsets, special tokens skipped in
+    decoding, added tokens kept by save/load, and pickling."""
+    import copy
+    import pickle
+
+    tokenizer = KnowGPTTokenizerFast.from_corpus(SAMPLE, padding_side="left")  # saved as an init argument
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "Ada London"}
+
+    assert tokenizer("London", max_length=3, truncation=True)["input_ids"] == [ids[c] for c in "Lon"]
+    tokenizer.truncation_side = "left"
+    assert tokenizer("London", max_length=3, truncation=True)["input_ids"] == [ids[c] for c in "don"]
+    tokenizer.truncation_side = "right"
+    pair = tokenizer("Ada", "Lo")
+    assert pair["input_ids"] == [ids[c] for c in "AdaLo"] and pair["attention_mask"] == [1] * 5
+    assert tokenizer("Ada", return_offsets_mapping=True)["offset_mapping"] == [(0, 1), (1, 2), (2, 3)]
+
+    batch = tokenizer(["Ada", "London"], padding=True, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == [0, 0, 0, *(ids[c] for c in "Ada")]
+    assert batch["attention_mask"][0].tolist() == [0, 0, 0, 1, 1, 1]
+    padded = tokenizer.pad({"input_ids": [[ids["A"]], [ids["A"], ids["d"]]]}, return_tensors="pt")
+    assert padded["input_ids"].tolist() == [[0, ids["A"]], [ids["A"], ids["d"]]]
+    assert tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True) == ["Ada", "London"]
+    assert tokenizer.decode(tokenizer("Ada⁇London⁇")["input_ids"], skip_special_tokens=True) == "AdaLondon"
+
+    assert tokenizer.add_tokens(["<fact>"]) == 1
+    added = tokenizer.convert_tokens_to_ids("<fact>")
+    assert added == len(tokenizer) - 1 and tokenizer("a<fact>d")["input_ids"] == [ids["a"], added, ids["d"]]
+    tokenizer.save_pretrained(tmp_path)
+    for copied in (KnowGPTTokenizerFast.from_pretrained(tmp_path), pickle.loads(pickle.dumps(tokenizer)),
+                   copy.deepcopy(tokenizer)):  # fmt: skip
+        assert copied.padding_side == "left" and len(copied) == len(tokenizer)
+        assert copied("a<fact>d London")["input_ids"] == tokenizer("a<fact>d London")["input_ids"]
+        assert copied.decode(copied("a<fact>d")["input_ids"]) == "a<fact>d"
+
+
 def test_empty_corpus_is_rejected():
     with pytest.raises(ValueError, match="non-empty"):
         KnowGPTTokenizerFast.from_corpus("")
