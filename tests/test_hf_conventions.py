@@ -351,3 +351,47 @@ def test_a_question_without_room_for_its_answer_is_flagged_not_answered():
     flagged = answers[1]
     assert flagged["truncated"] is True and flagged["answer"] is None and flagged["abstained"] is True
     assert flagged["best_guess"] == "Lond"
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_generation_modes_keep_transformers_generation_contracts(attention_type):
+    """tests/generation/test_utils.py's contracts beyond greedy decoding: greedy scores are the logits the
+    tokens were chosen from; beam search returns num_return_sequences rows whose sequences_scores are the
+    model's own length-normalized log-probabilities; sampling repeats with the seed; generation from
+    inputs_embeds and generation continued from a returned cache give the one-shot tokens."""
+    model = make_model(attention_type)
+    prompt = inputs()[:, :5]
+    fixed_length = dict(max_new_tokens=6, min_new_tokens=6, pad_token_id=0, eos_token_id=None)
+
+    greedy = model.generate(prompt, do_sample=False, return_dict_in_generate=True, output_scores=True, **fixed_length)
+    chosen = torch.stack(greedy.scores, dim=1).argmax(-1)
+    assert torch.equal(chosen, greedy.sequences[:, 5:])
+
+    beams = model.generate(
+        prompt, num_beams=3, num_return_sequences=2, do_sample=False, length_penalty=1.0,
+        return_dict_in_generate=True, output_scores=True, **fixed_length,
+    )  # fmt: skip
+    assert beams.sequences.shape == (2 * BATCH, 11) and beams.sequences_scores.shape == (2 * BATCH,)
+    with torch.no_grad():
+        log_probs = model(beams.sequences).logits[:, 4:-1].float().log_softmax(-1)
+    own = log_probs.gather(-1, beams.sequences[:, 5:, None]).squeeze(-1).sum(-1) / 6
+    torch.testing.assert_close(beams.sequences_scores, own, atol=1e-4, rtol=0)
+    assert (beams.sequences_scores[0::2] >= beams.sequences_scores[1::2]).all()  # best beam first
+
+    def sampled(seed):
+        torch.manual_seed(seed)
+        return model.generate(prompt, do_sample=True, temperature=2.0, **fixed_length)
+
+    assert torch.equal(sampled(3), sampled(3)) and not torch.equal(sampled(3), sampled(4))
+
+    one_shot = greedy.sequences
+    embedded = model.generate(inputs_embeds=model.get_input_embeddings()(prompt), do_sample=False, **fixed_length)
+    assert torch.equal(embedded, one_shot[:, 5:])  # as transformers returns it: the new tokens only
+    three_tokens = {**fixed_length, "max_new_tokens": 3, "min_new_tokens": 3}
+    first = model.generate(prompt, do_sample=False, return_dict_in_generate=True, **three_tokens)
+    # the mask given: generated pad ids (0) would otherwise be read as padding
+    continued = model.generate(
+        first.sequences, attention_mask=torch.ones_like(first.sequences), cache=first.cache, do_sample=False,
+        **three_tokens,
+    )  # fmt: skip
+    assert torch.equal(continued, one_shot)
