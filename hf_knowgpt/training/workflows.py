@@ -112,9 +112,10 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
     """Train one stage, save every checkpoint and the final model with tokenizer and card; optionally push.
     Returns the trained (unwrapped) model and the stage's metrics."""
 
+    # as a 🤗 checkpoint's tokenizer does: truncation=True cuts at the model's block, pipelines warn beyond it
+    tokenizer.model_max_length = model.config.block_size
+
     def export(directory, unwrapped, result=None):
-        # as a 🤗 checkpoint's tokenizer does: truncation=True cuts at the model's block, pipelines warn beyond it
-        tokenizer.model_max_length = unwrapped.config.block_size
         tokenizer.save_pretrained(directory)
         facts = _card_facts(unwrapped, tokenizer, args, result, accelerator, **card)
         write_model_card(directory, facts)
