@@ -195,8 +195,9 @@ def test_step_variants_reports_the_kernel_configurations_a_run_tuned(monkeypatch
 
 
 def test_compare_accuracy_groups_runs_by_file_and_variant_and_measures_the_gap(tmp_path, capsys):
-    """Groups read step_variants' JSON runs (one variant's where named, a file matched twice counted once);
-    the gap is Welch's: the difference of means over the root of the summed squared standard errors."""
+    """Groups read step_variants' JSON runs (one variant's where named, a file matched twice, by any spelling of
+    its path, counted once); the gap is Welch's: the difference of means over the root of the summed squared
+    standard errors."""
 
     def write(name, runs):
         (tmp_path / name).write_text(
@@ -207,7 +208,7 @@ def test_compare_accuracy_groups_runs_by_file_and_variant_and_measures_the_gap(t
     write("pair_seed1.json", [("as-is", 0.90), ("splits1", 0.87)])
     write("alone.json", [("as-is", 0.89)])
     groups = compare_accuracy.main(
-        ["--group", f"base={tmp_path}/pair_*.json:as-is,{tmp_path}/alone.json,{tmp_path}/pair_seed0.json:as-is",
+        ["--group", f"base={tmp_path}/pair_*.json:as-is,{tmp_path}/alone.json,{tmp_path}/../{tmp_path.name}/pair_seed0.json:as-is",
          "--group", f"other={tmp_path}/pair_*.json:splits1"]
     )  # fmt: skip
     base, other = groups["base"], groups["other"]

@@ -39,8 +39,9 @@ def group_runs(sources: list[tuple[str, str | None]]) -> list[dict]:
             raise SystemExit(f"no file matches {pattern!r}")
         for file in files:
             for index, run in enumerate(json.loads(Path(file).read_text())):
-                if (variant is None or run["variant"] == variant) and (file, index) not in seen:
-                    seen.add((file, index))
+                key = (Path(file).resolve(), index)  # one file reached by two spellings of its path
+                if (variant is None or run["variant"] == variant) and key not in seen:
+                    seen.add(key)
                     runs.append({**run, "file": file})
     return runs
 
