@@ -14,7 +14,7 @@ grid (all of it, or only the real tokens of packed training).
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
 
 import torch
@@ -188,6 +188,17 @@ class AttentionContext:
     def __post_init__(self):
         self.query_order = self.query_positions if self.query_order is None else self.query_order
         self.key_order = self.key_positions if self.key_order is None else self.key_order
+
+    def to(self, device, non_blocking=False) -> "AttentionContext":
+        """This context with its tensors on `device`. Accelerate's hooks call it when a `device_map` puts a
+        model's blocks on several devices, as they move every argument of a block to the block's device."""
+        tensors = {field.name: getattr(self, field.name) for field in fields(self)}
+        moved = {
+            name: value.to(device, non_blocking=non_blocking)
+            for name, value in tensors.items()
+            if torch.is_tensor(value)
+        }
+        return replace(self, **moved)
 
     def visibility(self, query_order=None, key_order=None, key_valid="same") -> torch.Tensor:
         """Boolean (B, 1, Tq, Tk) mask: a key is visible when it is real and not after the query."""

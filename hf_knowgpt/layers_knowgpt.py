@@ -34,11 +34,15 @@ def _unchanged(states: torch.Tensor) -> torch.Tensor:
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
     """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
     Plain ones run as one product of their concatenated weights (one kernel instead of several, forward and
-    backward, and one `place`); layers that are replaced or hooked (adapters) run as the modules they are."""
+    backward, and one `place`); layers that are replaced or hooked run as the modules they are: adapters,
+    and accelerate's offloading (`device_map`), which swaps a layer's `forward` for one that first brings its
+    weights in."""
     if place is None:  # not `place or …`: torch 2.11's dynamo cannot take the truth of a bound method
         place = _unchanged
     plain = all(
-        type(layer) is nn.Linear and layer.bias is not None and not (layer._forward_hooks or layer._forward_pre_hooks)
+        type(layer) is nn.Linear
+        and layer.bias is not None
+        and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in vars(layer))
         for layer in layers
     )
     if not plain:

@@ -336,7 +336,8 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         cache = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("KnowGPTModel.forward needs exactly one of input_ids or inputs_embeds")
-        batch_size, seq_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        given = input_ids if input_ids is not None else inputs_embeds
+        batch_size, seq_len = given.shape[:2]
         if use_cache is None:
             use_cache = config.use_cache and token_index is None
         if token_index is not None and (use_cache or cache is not None or attention_mask is not None):
@@ -360,7 +361,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
                 f"the {implementation!r} kernels keep no attention weights."
             )
             implementation = "eager"
-        context = self._attention_context(batch_size, seq_len, past_length, attention_mask, position_ids)
+        context = self._attention_context(given.device, batch_size, seq_len, past_length, attention_mask, position_ids)
         context.implementation = implementation
         context.fused_layers = self.fused_layers and self.training
         context.by_length = self.attention_by_length
@@ -394,10 +395,10 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         )
         return output if return_dict else output.to_tuple()
 
-    def _attention_context(self, batch_size, seq_len, past_length, attention_mask, position_ids):
+    def _attention_context(self, device, batch_size, seq_len, past_length, attention_mask, position_ids):
         """Each token's order (its index among its row's real tokens: what a key's visibility follows) and
-        position (what encodes it: `position_ids` for the new tokens where given, else the order)."""
-        device = self.tok_emb.weight.device
+        position (what encodes it: `position_ids` for the new tokens where given, else the order), on the
+        inputs' device: with weights offloaded (`device_map`), the embedding's own weight may not be there."""
         key_valid = None
         if attention_mask is None:
             key_order = torch.arange(past_length + seq_len, device=device)[None]

@@ -1,6 +1,6 @@
 """KnowGPT held to the contracts of transformers' own common tests (`tests/test_modeling_common.py`:
 test_attention_outputs, test_hidden_states_output, test_training_gradient_checkpointing*,
-test_can_set_attention_dynamically, check config defaults; `tests/generation/test_utils.py`: attentions
+test_can_set_attention_dynamically, test_cpu_offload and test_disk_offload_*, check config defaults; `tests/generation/test_utils.py`: attentions
 from generate, assisted and prompt-lookup decoding; the causal-LM loss of `transformers.loss.loss_utils`;
 `tests/test_tokenization_common.py`: every constructor path gives the same tokenizer, a vocabulary given
 as (token, score) pairs included), for all four attention types. `tests/test_modeling.py` holds the
@@ -395,3 +395,47 @@ def test_generation_modes_keep_transformers_generation_contracts(attention_type)
         **three_tokens,
     )  # fmt: skip
     assert torch.equal(continued, one_shot)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_weights_offloaded_by_a_device_map_give_the_same_logits_and_tokens(attention_type, tmp_path):
+    """test_cpu_offload / test_disk_offload_safetensors: loaded with `device_map="auto"` and too little memory,
+    part of the model stays in memory and the rest is read from disk at each call (accelerate's hooks), and
+    the logits and generated tokens are the model's own."""
+    from accelerate.utils import compute_module_sizes
+
+    model = make_model(attention_type)
+    model.save_pretrained(tmp_path / "model")
+    ids = inputs()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding, so that generation's positions and visibility are both exercised
+    generation = dict(attention_mask=mask[:, :6], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids[:, :6], **generation)
+    for share in (0.0, 0.6):  # every weight on disk; the embeddings in memory, the blocks and head on disk
+        offloaded = KnowGPTForCausalLM.from_pretrained(
+            tmp_path / "model", device_map="auto", offload_folder=tmp_path / f"offload{share}",
+            max_memory={"cpu": int(share * compute_module_sizes(model)[""])},
+        )  # fmt: skip
+        places = set(offloaded.hf_device_map.values())
+        assert "disk" in places and (share == 0) == (places == {"disk"})
+        with torch.no_grad():
+            torch.testing.assert_close(offloaded(ids).logits, logits, atol=0, rtol=0)
+        assert torch.equal(offloaded.generate(ids[:, :6], **generation), tokens)
+
+
+def test_the_attention_context_moves_with_its_block_to_another_device():
+    """A `device_map` over several devices moves each block's arguments to the block's device (accelerate's
+    `send_to_device`): the positions and masks that every block shares go with them."""
+    from accelerate.utils import send_to_device
+
+    from hf_knowgpt.attention_knowgpt import AttentionContext
+
+    positions, valid = torch.arange(4)[None], torch.tensor([[False, True, True, True]])
+    context = AttentionContext(positions, positions, valid, causal_only=False, implementation="eager", by_length=True)
+    moved = send_to_device(context, "meta")
+    assert isinstance(moved, AttentionContext) and moved is not context
+    for name in ("query_positions", "key_positions", "key_valid", "query_order", "key_order"):
+        assert getattr(moved, name).device.type == "meta" and getattr(context, name).device.type == "cpu"
+    assert (moved.causal_only, moved.implementation, moved.by_length) == (False, "eager", True)
