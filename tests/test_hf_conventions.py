@@ -1,6 +1,8 @@
 """KnowGPT held to the contracts of transformers' own common tests (`tests/test_modeling_common.py`:
 test_attention_outputs, test_hidden_states_output, test_training_gradient_checkpointing*,
-test_can_set_attention_dynamically, test_cpu_offload and test_disk_offload_*, check config defaults; `tests/generation/test_utils.py`: attentions
+test_can_set_attention_dynamically, test_cpu_offload and test_disk_offload_*, the batching, outputs,
+embeddings, retained-gradient, resizing, missing-weights, half-precision and meta-device tests, check
+config defaults; `tests/generation/test_utils.py`: attentions
 from generate, assisted and prompt-lookup decoding; the causal-LM loss of `transformers.loss.loss_utils`;
 `tests/test_tokenization_common.py`: every constructor path gives the same tokenizer, a vocabulary given
 as (token, score) pairs included), for all four attention types. `tests/test_modeling.py` holds the
@@ -439,3 +441,60 @@ def test_the_attention_context_moves_with_its_block_to_another_device():
     for name in ("query_positions", "key_positions", "key_valid", "query_order", "key_order"):
         assert getattr(moved, name).device.type == "meta" and getattr(context, name).device.type == "cpu"
     assert (moved.causal_only, moved.implementation, moved.by_length) == (False, "eager", True)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_modeling_keeps_transformers_common_contracts(attention_type, tmp_path):
+    """test_batching_equivalence, test_model_outputs_equivalence (tuples and dicts),
+    test_inputs_embeds_matches_input_ids, test_retain_grad_hidden_states_attentions,
+    test_resize_tokens_embeddings, test_can_init_all_missing_weights, test_save_load of a half-precision
+    model and test_can_load_with_meta_device_context_manager."""
+    model = make_model(attention_type)
+    ids = torch.randint(2, 22, (3, LENGTH), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        batched = model(ids, output_hidden_states=True)
+        for row in range(3):
+            alone = model(ids[row : row + 1], output_hidden_states=True)
+            torch.testing.assert_close(alone.logits[0], batched.logits[row], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                alone.hidden_states[-1][0], batched.hidden_states[-1][row], atol=1e-5, rtol=1e-5
+            )
+        as_dict = model(ids, output_hidden_states=True, output_attentions=True)
+        as_tuple = model(ids, output_hidden_states=True, output_attentions=True, return_dict=False)
+        torch.testing.assert_close(model(inputs_embeds=model.get_input_embeddings()(ids)).logits, batched.logits)
+    assert len(as_tuple) == len(as_dict)
+    for in_tuple, (name, in_dict) in zip(as_tuple, as_dict.items()):
+        if name != "cache":  # the tuple holds the dict's fields in order, the same tensors
+            pairs = [(in_tuple, in_dict)] if torch.is_tensor(in_dict) else list(zip(in_tuple, in_dict, strict=True))
+            assert all(torch.equal(*pair) for pair in pairs), name
+
+    model.train()
+    out = model(ids, output_hidden_states=True, output_attentions=True)
+    embeddings, first_attention = out.hidden_states[0], out.attentions[0]
+    embeddings.retain_grad(), first_attention.retain_grad()
+    out.logits.sum().backward()
+    assert embeddings.grad is not None and first_attention.grad is not None
+    model.eval()
+
+    model.resize_token_embeddings(30, mean_resizing=False)
+    assert model.config.vocab_size == 30 and model.get_output_embeddings().weight.shape[0] == 30
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits[..., :23], batched.logits)  # old ids score as before
+    model.resize_token_embeddings(33, pad_to_multiple_of=8, mean_resizing=False)
+    assert model.config.vocab_size == 40 and model(ids).logits.shape[-1] == 40
+
+    model.transformer.save_pretrained(tmp_path / "backbone")  # no head: from_pretrained must initialise it
+    with_new_head = KnowGPTForCausalLM.from_pretrained(tmp_path / "backbone")
+    assert abs(with_new_head.lm_head.weight.std().item() - model.config.initializer_range) < 0.005
+
+    half = make_model(attention_type).to(torch.bfloat16)
+    half.save_pretrained(tmp_path / "half")
+    reloaded = KnowGPTForCausalLM.from_pretrained(tmp_path / "half")
+    assert reloaded.dtype == torch.bfloat16
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits.float(), batched.logits, atol=0.05, rtol=0.05)
+    assert torch.equal(reloaded.generate(ids[:, :4], max_new_tokens=3, do_sample=False)[:, :4], ids[:, :4])
+
+    with torch.device("meta"):
+        on_meta = KnowGPTForCausalLM(model.config)
+    assert {parameter.device.type for parameter in on_meta.parameters()} == {"meta"}
