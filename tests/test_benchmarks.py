@@ -138,6 +138,13 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     assert fused_attention.DEFAULT_SPLITS == 1 and splits == 3 and seen["forward"] == {16: 1}
     step_variants.run_one("coordinate-descent-dynamic-launch", ["--recipe", "quickstart", "--torch_compile"])
     assert seen["argv"] == ["train.py", "--recipe", "quickstart", "--torch_compile", "--tune_kernels"]
+    from hf_knowgpt.training.fast_path import GraphedStepper
+
+    monkeypatch.setattr(GraphedStepper, "INDUCTOR_OPTIONS", GraphedStepper.INDUCTOR_OPTIONS)
+    step_variants.run_one("dynamic-launch", ["--recipe", "quickstart", "--torch_compile"])  # half of --tune_kernels
+    options = GraphedStepper.inductor_options(tune_kernels=False)
+    assert options["use_static_cuda_launcher"] is False and "coordinate_descent_tuning" not in options
+    assert seen["argv"] == ["train.py", "--recipe", "quickstart", "--torch_compile"]
 
 
 def test_profile_step_describes_a_generated_kernel_with_its_bytes_and_bandwidth():

@@ -35,7 +35,7 @@ product, fusing the pointwise work after a product into a template that wins (bi
 `max-autotune-gemm-triton` takes the templates only; `coordinate-descent` tunes each kernel's block sizes
 and warps, `coordinate-descent-dynamic-launch` too with the kernels launched through Triton's launcher instead
 of inductor's static one, so that a later run finds the tuned configurations (it adds `--tune_kernels` to the
-command); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
+command), `dynamic-launch` the launcher alone, untuned (the two halves of `--tune_kernels` apart); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
 cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and
 guards, so that a warm run need not trace again (`caching-precompile`, `torch._dynamo.config.caching_precompile`;
 on torch 2.11 it fails at the first capture, `results/h200_step_variants_caching_precompile_failure.log`); the
@@ -92,6 +92,7 @@ VARIANTS = {
     "warmup3-every-graph": {"later_warmup_steps": 3},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "coordinate-descent-dynamic-launch": {"flags": ["--tune_kernels"]},  # GraphedStepper.TUNING_OPTIONS
+    "dynamic-launch": {"inductor": {"use_static_cuda_launcher": False}},
     "aggressive-fusion": {"inductor": {"aggressive_fusion": True}},
     "no-combo-kernels": {"inductor": {"combo_kernels": False}},
     "combo-pointwise-only": {"inductor": {"combo_kernels_pointwise_only": True}},

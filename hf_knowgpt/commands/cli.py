@@ -229,7 +229,7 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
         "--tune_kernels", dest=f"{stage or 'pretrain'}.tune_kernels", action=BooleanFlag,
         help="with --torch_compile: time each compiled kernel's block sizes once and keep the fastest for later "
         "runs (slightly faster steps; the first compilation takes about a minute longer; on the knowledge recipe it "
-        "answered about half a point less, docs/training.md)",
+        "answered about 0.6 points less, docs/training.md)",
     )  # fmt: skip
     _value(
         group, "--mixed_precision", dest=f"{section}.mixed_precision", choices=("no", "bf16", "fp16"),

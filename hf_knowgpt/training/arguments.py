@@ -42,7 +42,7 @@ class TrainingArguments:
     # With compile: inductor times each kernel's block sizes and warps once (coordinate-descent tuning) and keeps
     # the fastest, so later runs load tuned kernels. The first compilation takes about a minute longer; under
     # compile="auto" the background process waits for this run to end, so that its timings are its own. The
-    # knowledge recipe answered about half a point less tuned, perhaps by chance (benchmarks/RESULTS.md).
+    # knowledge recipe answered about 0.6 points less tuned, in runs made side by side (benchmarks/RESULTS.md).
     tune_kernels: bool = False
     # "no", "bf16" or "fp16"; None: accelerate's configuration (`accelerate launch --mixed_precision`, else no)
     mixed_precision: str | None = None
