@@ -1,12 +1,12 @@
-"""KnowGPT held to the contracts of transformers' own common tests (`tests/test_modeling_common.py`:
-test_attention_outputs, test_hidden_states_output, test_training_gradient_checkpointing*,
-test_can_set_attention_dynamically, test_cpu_offload and test_disk_offload_*, the batching, outputs,
-embeddings, retained-gradient, resizing, missing-weights, half-precision and meta-device tests, check
-config defaults; `tests/generation/test_utils.py`: attentions from generate, assisted and prompt-lookup
-decoding; the causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py`: every
-constructor path gives the same tokenizer, a vocabulary given as (token, score) pairs included), for all
-four attention types. `tests/test_modeling.py` holds the
-causality and cache-format contracts (test_past_key_values_format: keys and values per head).
+"""KnowGPT held to the contracts of transformers' own common tests, for all four attention types:
+`tests/test_modeling_common.py` (test_attention_outputs, test_hidden_states_output,
+test_training_gradient_checkpointing*, test_can_set_attention_dynamically, test_cpu_offload and
+test_disk_offload_*, the batching, outputs, embeddings, retained-gradient, resizing, missing-weights,
+half-precision and meta-device tests, check config defaults); `tests/generation/test_utils.py` (attentions
+from generate, assisted and prompt-lookup decoding); the causal-LM loss of `transformers.loss.loss_utils`;
+`tests/test_tokenization_common.py` (every constructor path gives the same tokenizer, a vocabulary given as
+(token, score) pairs included). And PEFT's LoRA adapters. `tests/test_modeling.py` holds the causality and
+cache-format contracts (test_past_key_values_format: keys and values per head).
 
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
@@ -498,3 +498,35 @@ def test_modeling_keeps_transformers_common_contracts(attention_type, tmp_path):
     with torch.device("meta"):
         on_meta = KnowGPTForCausalLM(model.config)
     assert {parameter.device.type for parameter in on_meta.parameters()} == {"meta"}
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_lora_adapters_train_save_reload_and_merge(attention_type, tmp_path):
+    """PEFT's LoRA on the attention's projections (the synthesizer's value and MLP input: it has no query):
+    a fresh adapter leaves the logits as they were, training moves them, the saved adapter reloads onto a
+    fresh copy of the model with the trained logits, and merging it into the weights keeps them."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    targets = ["value", "fc"] if attention_type == "synthesizer" else ["query", "value"]
+    ids = inputs()
+    with torch.no_grad():
+        plain = make_model(attention_type)(ids).logits
+    adapted = get_peft_model(make_model(attention_type), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, plain, atol=0, rtol=0)
+    trainable = [parameter for parameter in adapted.parameters() if parameter.requires_grad]
+    assert trainable and all("lora_" in name for name, p in adapted.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    adapted.train()
+    for _ in range(3):
+        adapted(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step(), optimizer.zero_grad()
+    adapted.eval()
+    with torch.no_grad():
+        trained = adapted(ids).logits
+    assert (trained - plain).abs().max() > 1e-3
+    adapted.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(make_model(attention_type), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, trained, atol=0, rtol=0)
+        torch.testing.assert_close(reloaded.merge_and_unload()(ids).logits, trained, atol=1e-5, rtol=1e-5)
