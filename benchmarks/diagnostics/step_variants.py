@@ -32,11 +32,12 @@ out of those combo kernels, `combo-shared-blocks` gives all the kernels of a com
 instead of each its own (options of recent torch releases: a run stops where the installed torch lacks a
 variant's option); `max-autotune-gemm` times Triton's matrix-product templates against cuBLAS for each
 product, fusing the pointwise work after a product into a template that wins (bias, GELU),
-`max-autotune-gemm-triton` takes the templates only; `coordinate-descent` tunes each kernel's block sizes
-and warps, `coordinate-descent-dynamic-launch` too with the kernels launched through Triton's launcher instead
-of inductor's static one, so that a later run finds the tuned configurations (it adds `--tune_kernels` to the
-command), `dynamic-launch` the launcher alone, untuned (the two halves of `--tune_kernels` apart); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the
-cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and
+`max-autotune-gemm-triton` takes the templates only; `coordinate-descent` tunes each kernel's block sizes and
+warps, `coordinate-descent-dynamic-launch` too with the kernels launched through Triton's launcher instead of
+inductor's static one, so that a later run finds the tuned configurations (it adds `--tune_kernels` to the
+command), `dynamic-launch` the launcher alone, untuned (the two halves of `--tune_kernels` apart); inductor's
+`triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the cache fails,
+`results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and
 guards, so that a warm run need not trace again (`caching-precompile`, `torch._dynamo.config.caching_precompile`;
 on torch 2.11 it fails at the first capture, `results/h200_step_variants_caching_precompile_failure.log`); the
 step's parts compiled the default way, traced by dynamo in every run, instead of compiled whole and kept
