@@ -20,6 +20,7 @@ import bench_user_path  # noqa: E402
 import compare_accuracy  # noqa: E402
 import profile_step  # noqa: E402
 import step_variants  # noqa: E402
+import tuned_gradients  # noqa: E402
 
 
 def test_the_handouts_loop_trains_and_answers_as_one_process(tmp_path):
@@ -229,3 +230,21 @@ def test_compare_accuracy_groups_runs_by_file_and_variant_and_measures_the_gap(t
             compare_accuracy.main(["--group", bad])
     with pytest.raises(SystemExit, match="no file matches"):
         compare_accuracy.main(["--group", f"none={tmp_path}/missing*.json"])
+
+
+def test_tuned_gradients_measures_each_way_against_the_float64_step(tmp_path, capsys):
+    """The diagnostic's comparison: float64 against itself is exact, bf16 autocast is off by about bf16's
+    precision in every group, and a way it does not know is refused."""
+    data = write_cs224n_named_synthetic(tmp_path)
+    tiny = ["n_layer=1", "n_embd=16", "n_head=2"]
+    rows = tuned_gradients.main(
+        ["--data_dir", str(data), "--batches", "1", "--ways", "eager-bf16,float64", "--model", *tiny]
+    )
+    assert set(rows["float64"].values()) == {0.0}
+    assert set(rows["eager-bf16"]) == {"loss", *tuned_gradients.GROUPS}
+    assert all(1e-5 < rows["eager-bf16"][group] < 0.05 for group in tuned_gradients.GROUPS)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("float64")
+    with pytest.raises(SystemExit):
+        tuned_gradients.main(["--data_dir", str(data), "--ways", "float32"])
+    with pytest.raises(ValueError, match="no group"):
+        tuned_gradients.group_of("transformer.some_new_layer.weight")
