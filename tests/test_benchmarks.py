@@ -246,5 +246,18 @@ def test_tuned_gradients_measures_each_way_against_the_float64_step(tmp_path, ca
     assert capsys.readouterr().out.splitlines()[-1].startswith("float64")
     with pytest.raises(SystemExit):
         tuned_gradients.main(["--data_dir", str(data), "--ways", "float32"])
+
+    from hf_knowgpt import KnowGPTForCausalLM
+
+    config, _ = tuned_gradients.make_batches(
+        data, 0, 0, torch.device("cpu"), {"n_layer": 1, "n_embd": 16, "n_head": 2}
+    )
+    config.attn_pdrop = 0.3  # the diagnostic turns a checkpoint's dropout off
+    KnowGPTForCausalLM(config).save_pretrained(tmp_path / "trained")
+    given = ["--data_dir", str(data), "--batches", "1", "--ways", "float64", "--checkpoint", str(tmp_path / "trained")]
+    assert set(tuned_gradients.main([*given, "--model", *tiny])["float64"].values()) == {0.0}
+    with pytest.raises(SystemExit):  # the batches of the recipe's width and block, not the checkpoint's
+        tuned_gradients.main([*given, "--model", "n_layer=1", "n_embd=16", "n_head=2", "block_size=150"])
+    assert "vocabulary and block" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no group"):
         tuned_gradients.group_of("transformer.some_new_layer.weight")

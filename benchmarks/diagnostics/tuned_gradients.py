@@ -10,11 +10,11 @@ Ways (`--ways`): `eager-bf16`, the model uncompiled under bf16 autocast; `compil
 the graphed step compiles it (GraphedStepper's inductor options, bf16 autocast); `compiled-tuned`, the same
 with `--tune_kernels`'s options (coordinate-descent tuning, Triton's launcher); `dynamic-launch`, Triton's
 launcher alone; `float64`, the reference again (its error is 0: a check of the comparison). On a GPU with
-Triton the model's attention is the fused kernel, as training runs it. The batches are the corpus's
-span-corrupted documents, read as the knowledge recipe reads them (its model, 112-character documents, a batch
-of 128, packed into token counts rounded up to 256); the model is fresh from `--seed`, dropout off so that
-every way computes the same function. Only the loss and its gradients are compared, not the clipping, which
-training compiles too. The knowledge recipe answered about 0.6 points less with tuned kernels
+Triton the model's attention is the fused kernel, as training runs it. The weights are `--checkpoint`'s, or
+fresh from `--seed`. The batches are the corpus's span-corrupted documents, read as the knowledge recipe reads
+them (its model, 112-character documents, a batch of 128, packed into token counts rounded up to 256); dropout
+is off so that every way computes the same function. Only the loss and its gradients are compared, not the
+clipping, which training compiles too. The knowledge recipe answered about 0.6 points less with tuned kernels
 (benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s would say why.
 """
 
@@ -131,6 +131,7 @@ def main(argv=None):
     parser.add_argument("--ways", default="eager-bf16,compiled,compiled-tuned,dynamic-launch,float64")
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", help="a trained model (its vocabulary the corpus's); default: a fresh one")
     parser.add_argument("--model", nargs="*", default=[], metavar="FIELD=INT", help="model settings overridden")
     args = parser.parse_args(argv)
     ways = args.ways.split(",")
@@ -149,7 +150,15 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     config, batches = make_batches(Path(args.data_dir), args.batches, args.seed, device, overrides)
     torch.manual_seed(args.seed)
-    model = KnowGPTForCausalLM(config).to(device).train()
+    if args.checkpoint:  # trained weights (errors at initialization need not be those late in training)
+        trained = KnowGPTConfig.from_pretrained(args.checkpoint, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+        if (trained.vocab_size, trained.block_size) != (config.vocab_size, config.block_size):
+            parser.error(f"--checkpoint {args.checkpoint}: vocabulary and block {trained.vocab_size}, "
+                         f"{trained.block_size}; the batches' are {config.vocab_size}, {config.block_size}")  # fmt: skip
+        model = KnowGPTForCausalLM.from_pretrained(args.checkpoint, config=trained)
+    else:
+        model = KnowGPTForCausalLM(config)
+    model = model.to(device, torch.float32).train()
     reference_model = copy.deepcopy(model).double()
     reference = gradients(reference_model, model_loss, batches, None)
     if device.type == "cuda":
