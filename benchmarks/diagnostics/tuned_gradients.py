@@ -146,7 +146,10 @@ def main(argv=None):
     logging.disable(logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":  # as training sets them (KnowGPTTrainer)
-        torch.backends.cuda.matmul.allow_tf32 = True
+        from hf_knowgpt.kernels import pin_triton_ptxas
+
+        pin_triton_ptxas()
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     config, batches = make_batches(Path(args.data_dir), args.batches, args.seed, device, overrides)
     torch.manual_seed(args.seed)
