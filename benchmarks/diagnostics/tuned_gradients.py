@@ -12,10 +12,11 @@ with `--tune_kernels`'s options (coordinate-descent tuning, Triton's launcher); 
 launcher alone; `float64`, the reference again (its error is 0: a check of the comparison). On a GPU with
 Triton the model's attention is the fused kernel, as training runs it. The weights are `--checkpoint`'s, or
 fresh from `--seed`. The batches are the corpus's span-corrupted documents, read as the knowledge recipe reads
-them (its model, 112-character documents, a batch of 128, packed into token counts rounded up to 256); dropout
-is off so that every way computes the same function. Only the loss and its gradients are compared, not the
-clipping, which training compiles too. The knowledge recipe answered about 0.6 points less with tuned kernels
-(benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s would say why.
+them (its model, 112-character documents, a batch of 128, packed into the largest batch's token count rounded
+up to 256); dropout is off so that every way computes the same function. Only the loss and its gradients are
+compared, not the clipping, which training compiles too. The knowledge recipe answered about 0.6 points less
+with tuned kernels (benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s
+would say why.
 """
 
 import argparse
@@ -69,11 +70,16 @@ def make_batches(data_dir: Path, count: int, seed: int, device, model_overrides:
         max_truncation_length=min(KNOWLEDGE.max_truncation_length, block - 2),
     ).to(device)  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
-    batches = []
+    plans = []
     for _ in range(count):
         indices = torch.randperm(data.num_examples, generator=generator)[:BATCH_SIZE]
-        lengths, uniforms = data.plan(indices, generator)
-        size = packed_size(int(lengths.sum()), BUCKET, len(indices) * block)
+        plans.append((indices, *data.plan(indices, generator)))
+    # one token count for all batches (the largest bucket), so that each compiled way compiles once
+    size = max(
+        (packed_size(int(lengths.sum()), BUCKET, len(indices) * block) for indices, lengths, _ in plans), default=0
+    )
+    batches = []
+    for indices, lengths, uniforms in plans:
         token_index = packed_token_index(lengths, block, size=size).to(device)
         valid = torch.ones(len(indices), dtype=torch.bool, device=device)
         input_ids, labels = data.device_batch(indices.to(device), valid, block, uniforms=uniforms.to(device))
