@@ -149,7 +149,6 @@ def main(argv=None):
         if not value.isdigit():
             parser.error(f"--model takes FIELD=INT, got {item!r}")
         overrides[field] = int(value)
-    logging.disable(logging.WARNING)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":  # as training sets them (KnowGPTTrainer)
         from hf_knowgpt.kernels import pin_triton_ptxas
@@ -190,4 +189,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    logging.disable(logging.WARNING)  # as a command only: a caller's logging stays as it was
     main()
