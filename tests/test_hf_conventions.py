@@ -2,11 +2,12 @@
 `tests/test_modeling_common.py` (test_attention_outputs, test_hidden_states_output,
 test_training_gradient_checkpointing*, test_can_set_attention_dynamically, test_cpu_offload and
 test_disk_offload_*, the batching, outputs, embeddings, retained-gradient, resizing, missing-weights,
-half-precision and meta-device tests, check config defaults); `tests/generation/test_utils.py` (attentions
-from generate, assisted and prompt-lookup decoding); the causal-LM loss of `transformers.loss.loss_utils`;
-`tests/test_tokenization_common.py` (every constructor path gives the same tokenizer, a vocabulary given as
-(token, score) pairs included). And PEFT's LoRA adapters. `tests/test_modeling.py` holds the causality and
-cache-format contracts (test_past_key_values_format: keys and values per head).
+half-precision and meta-device tests, test_torch_export, check config defaults);
+`tests/generation/test_utils.py` (attentions from generate, assisted and prompt-lookup decoding); the
+causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py` (every constructor path
+gives the same tokenizer, a vocabulary given as (token, score) pairs included). And PEFT's LoRA adapters.
+`tests/test_modeling.py` holds the causality and cache-format contracts (test_past_key_values_format: keys and
+values per head).
 
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
@@ -530,3 +531,16 @@ def test_lora_adapters_train_save_reload_and_merge(attention_type, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, trained, atol=0, rtol=0)
         torch.testing.assert_close(reloaded.merge_and_unload()(ids).logits, trained, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_torch_export_gives_the_models_logits(attention_type):
+    """test_torch_export: the model exports with `torch.export` (no cache), and the exported program gives
+    the model's logits on inputs other than those it was traced with."""
+    model = make_model(attention_type)
+    traced_with, other = inputs(), torch.randint(2, 22, (BATCH, LENGTH), generator=torch.Generator().manual_seed(5))
+    exported = torch.export.export(model, args=(), kwargs={"input_ids": traced_with, "use_cache": False}, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            exported.module()(input_ids=other, use_cache=False).logits, model(other).logits, atol=1e-6, rtol=1e-5
+        )
