@@ -20,28 +20,28 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
 (`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
-of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps before every
-graph's capture, not only the first's (`warmup3-every-graph`, `GraphedStepper.LATER_WARMUP_STEPS`); inductor
-options added to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads
-only the matrix products inductor judges compute-bound, not every one whose sizes are not multiples of 8 such
-as the vocabulary's 257 logits; `pdl` launches each inductor kernel while the one before it ends (programmatic
-dependent launch, Hopper and later); `cooperative-reductions` does a split reduction in one kernel with a
-grid-wide barrier, `no-split-reductions` in one kernel without splitting it; `no-combo-kernels` launches every
-kernel on its own instead of several independent ones in one launch, `combo-pointwise-only` leaves reductions
-out of those combo kernels, `combo-shared-blocks` gives all the kernels of a combo one set of block sizes
-instead of each its own (options of recent torch releases: a run stops where the installed torch lacks a
-variant's option); `max-autotune-gemm` times Triton's matrix-product templates against cuBLAS for each
-product, fusing the pointwise work after a product into a template that wins (bias, GELU),
-`max-autotune-gemm-triton` takes the templates only; `coordinate-descent` tunes each kernel's block sizes and
-warps, `coordinate-descent-dynamic-launch` too with the kernels launched through Triton's launcher instead of
-inductor's static one, so that a later run finds the tuned configurations (it adds `--tune_kernels` to the
-command), `dynamic-launch` the launcher alone, untuned (the two halves of `--tune_kernels` apart); inductor's
-`triton.multi_kernel` is not offered: on torch 2.11 a run that loads its kernels from the cache fails,
-`results/h100_step_variants_pad_bucket.log`); dynamo's experimental cache of its traced code and
-guards, so that a warm run need not trace again (`caching-precompile`, `torch._dynamo.config.caching_precompile`;
-on torch 2.11 it fails at the first capture, `results/h200_step_variants_caching_precompile_failure.log`); the
-step's parts compiled the default way, traced by dynamo in every run, instead of compiled whole and kept
-(`traced-every-run`,
+of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps
+before every graph's capture, not only the first's (`warmup3-every-graph`,
+`GraphedStepper.LATER_WARMUP_STEPS`); inductor options added to the graphed step's or taken from them
+(`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
+compute-bound, not every one whose sizes are not multiples of 8 such as the vocabulary's 257 logits; `pdl`
+launches each inductor kernel while the one before it ends (programmatic dependent launch, Hopper and later);
+`cooperative-reductions` does a split reduction in one kernel with a grid-wide barrier, `no-split-reductions`
+in one kernel without splitting it; `no-combo-kernels` launches every kernel on its own instead of several
+independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
+`combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
+of recent torch releases: a run stops where the installed torch lacks a variant's option); `max-autotune-gemm`
+times Triton's matrix-product templates against cuBLAS for each product, fusing the pointwise work after a
+product into a template that wins (bias, GELU), `max-autotune-gemm-triton` takes the templates only;
+`coordinate-descent` tunes each kernel's block sizes and warps, `coordinate-descent-dynamic-launch` too with
+the kernels launched through Triton's launcher instead of inductor's static one, so that a later run finds the
+tuned configurations (it adds `--tune_kernels` to the command), `dynamic-launch` the launcher alone, untuned
+(the two halves of `--tune_kernels` apart); inductor's `triton.multi_kernel` is not offered: on torch 2.11 a
+run that loads its kernels from the cache fails, `results/h100_step_variants_pad_bucket.log`); dynamo's
+experimental cache of its traced code and guards, so that a warm run need not trace again
+(`caching-precompile`, `torch._dynamo.config.caching_precompile`; on torch 2.11 it fails at the first capture,
+`results/h200_step_variants_caching_precompile_failure.log`); the step's parts compiled the default way,
+traced by dynamo in every run, instead of compiled whole and kept (`traced-every-run`,
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
 traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads
 left as they are while the step loads, so that its pool of compile workers starts
