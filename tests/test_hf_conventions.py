@@ -428,6 +428,33 @@ def test_weights_offloaded_by_a_device_map_give_the_same_logits_and_tokens(atten
         assert torch.equal(offloaded.generate(ids[:, :6], **generation), tokens)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a device map over two GPUs needs two CUDA devices")
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_a_device_map_over_two_gpus_gives_the_one_gpu_logits_and_tokens(attention_type, tmp_path):
+    """test_model_parallelism / test_multi_gpu_data_parallel_forward's spirit: the embeddings and first block on
+    one GPU, the other blocks and the head on another; the positions and masks every block shares move with
+    the hidden states (`AttentionContext.to`), and the logits and generated tokens are the one-GPU model's."""
+    model = make_model(attention_type).to("cuda:0")
+    model.save_pretrained(tmp_path / "model")
+    device_map, device = {}, 0
+    for name, module in model.transformer.named_children():  # in order: the first block is the last on GPU 0
+        if name != "blocks":
+            device_map[f"transformer.{name}"] = device
+            continue
+        for index in range(len(module)):
+            device_map[f"transformer.blocks.{index}"], device = device, 1
+    device_map.update(lm_head=1, future_heads=1)
+    split = KnowGPTForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map)
+    assert set(split.hf_device_map.values()) == {0, 1}
+    ids = inputs().to("cuda:0")
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    generation = dict(attention_mask=mask[:, :6], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids).logits.to("cuda:0"), model(ids).logits, atol=1e-6, rtol=1e-6)
+    assert torch.equal(split.generate(ids[:, :6], **generation).cpu(), model.generate(ids[:, :6], **generation).cpu())
+
+
 def test_the_attention_context_moves_with_its_block_to_another_device():
     """A `device_map` over several devices moves each block's arguments to the block's device (accelerate's
     `send_to_device`): the positions and masks that every block shares go with them."""

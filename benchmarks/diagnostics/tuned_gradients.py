@@ -8,15 +8,16 @@ of the loss, printed last.
 
 Ways (`--ways`): `eager-bf16`, the model uncompiled under bf16 autocast; `compiled`, `model_loss` compiled as
 the graphed step compiles it (GraphedStepper's inductor options, bf16 autocast); `compiled-tuned`, the same
-with `--tune_kernels`'s options (coordinate-descent tuning, Triton's launcher); `dynamic-launch`, Triton's
-launcher alone; `float64`, the reference again (its error is 0: a check of the comparison). On a GPU with
-Triton the model's attention is the fused kernel, as training runs it. The weights are `--checkpoint`'s, or
-fresh from `--seed`. The batches are the corpus's span-corrupted documents, read as the knowledge recipe reads
-them (its model, 112-character documents, a batch of 128, packed into the largest batch's token count rounded
-up to 256); dropout is off so that every way computes the same function. Only the loss and its gradients are
-compared, not the clipping, which training compiles too. The knowledge recipe answered about 0.6 points less
-with tuned kernels (benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s
-would say why.
+with `--tune_kernels`'s options (coordinate-descent tuning, Triton's launcher); its halves alone,
+`coordinate-descent` (with inductor's static launcher) and `dynamic-launch` (Triton's launcher, untuned);
+`float64`, the reference again (its error is 0: a check of the comparison). On a GPU with Triton the model's
+attention is the fused kernel, as training runs it. The weights are `--checkpoint`'s, or fresh from `--seed`.
+The batches are the corpus's span-corrupted documents, read as the knowledge recipe reads them (its model,
+112-character documents, a batch of 128, packed into the largest batch's token count rounded up to 256);
+dropout is off so that every way computes the same function. Only the loss and its gradients are compared, not
+the clipping, which training compiles too. The knowledge recipe answered about 0.6 points less with tuned
+kernels (benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s would say
+why.
 """
 
 import argparse
@@ -37,7 +38,7 @@ from hf_knowgpt.training.recipes import KNOWLEDGE  # noqa: E402
 from hf_knowgpt.training.workflows import corpus_tokenizer  # noqa: E402
 from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
-WAYS = ("eager-bf16", "compiled", "compiled-tuned", "dynamic-launch", "float64")
+WAYS = ("eager-bf16", "compiled", "compiled-tuned", "coordinate-descent", "dynamic-launch", "float64")
 GROUPS = ("tok_emb", "ln", "attn", "mlp.fc", "mlp.proj", "lm_head")
 BATCH_SIZE, BUCKET = 128, 256
 
@@ -112,6 +113,8 @@ def way_loss(way: str):
     if way == "eager-bf16":
         return model_loss, torch.bfloat16
     base = GraphedStepper.inductor_options(tune_kernels=way == "compiled-tuned")
+    if way == "coordinate-descent":  # tuning alone, with inductor's static launcher
+        base = {**base, "coordinate_descent_tuning": True}
     if way == "dynamic-launch":
         base = {**base, "use_static_cuda_launcher": False}
     return compiled_loss(base), torch.bfloat16
@@ -134,7 +137,7 @@ def relative_errors(results, reference) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_dir", required=True, help="folder with wiki.txt")
-    parser.add_argument("--ways", default="eager-bf16,compiled,compiled-tuned,dynamic-launch,float64")
+    parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--batches", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", help="a trained model (its vocabulary the corpus's); default: a fresh one")
@@ -182,9 +185,9 @@ def main(argv=None):
         print(f"{way}: done", flush=True)
 
     print(f"\n{describe_device()}; {args.batches} batches of {BATCH_SIZE}, seed {args.seed}; relative error")
-    print(f"{'way':<16}{'loss':>10}" + "".join(f"{group:>10}" for group in GROUPS))
+    print(f"{'way':<20}{'loss':>10}" + "".join(f"{group:>10}" for group in GROUPS))
     for way, errors in rows.items():
-        print(f"{way:<16}{errors['loss']:>10.2e}" + "".join(f"{errors.get(g, 0.0):>10.2e}" for g in GROUPS))
+        print(f"{way:<20}{errors['loss']:>10.2e}" + "".join(f"{errors.get(g, 0.0):>10.2e}" for g in GROUPS))
     return rows
 
 
