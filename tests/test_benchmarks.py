@@ -261,3 +261,15 @@ def test_tuned_gradients_measures_each_way_against_the_float64_step(tmp_path, ca
     assert "vocabulary and block" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no group"):
         tuned_gradients.group_of("transformer.some_new_layer.weight")
+
+
+def test_tuned_gradients_with_dropout_draws_each_ways_masks_from_the_same_seeds(tmp_path):
+    """`--dropout`: the recipe's dropout kept and each way measured against `compiled`, seeded alike, so that
+    `compiled` run again draws the same masks and comes out at rounding (embedding gradients add atomically)."""
+    data = write_cs224n_named_synthetic(tmp_path)
+    tiny = {"n_layer": 1, "n_embd": 16, "n_head": 2}
+    config, _ = tuned_gradients.make_batches(data, 0, 0, torch.device("cpu"), tiny, dropout=True)
+    assert config.resid_pdrop == config.embd_pdrop == 0.1
+    arguments = ["--data_dir", str(data), "--batches", "2", "--ways", "compiled", "--dropout", "--model"]
+    rows = tuned_gradients.main([*arguments, *(f"{field}={value}" for field, value in tiny.items())])
+    assert all(difference < 1e-5 for difference in rows["compiled"].values())

@@ -17,7 +17,11 @@ The batches are the corpus's span-corrupted documents, read as the knowledge rec
 dropout is off so that every way computes the same function. Only the loss and its gradients are compared, not
 the clipping, which training compiles too. The knowledge recipe answered about 0.6 points less with tuned
 kernels (benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s would say
-why.
+why. With `--dropout` the recipe's dropout stays on and each way is measured against `compiled` instead, every
+way's random number generators seeded alike: a way whose kernels drew other masks from the same seeds differs
+by far more than rounding.
+
+    python benchmarks/diagnostics/tuned_gradients.py --data_dir .data --dropout --ways compiled,compiled-tuned
 """
 
 import argparse
@@ -41,6 +45,7 @@ from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 WAYS = ("eager-bf16", "compiled", "compiled-tuned", "coordinate-descent", "dynamic-launch", "float64")
 GROUPS = ("tok_emb", "ln", "attn", "mlp.fc", "mlp.proj", "lm_head")
 BATCH_SIZE, BUCKET = 128, 256
+NO_DROPOUT = {"embd_pdrop": 0.0, "resid_pdrop": 0.0, "attn_pdrop": 0.0}
 
 
 def group_of(name: str) -> str:
@@ -55,14 +60,17 @@ def group_of(name: str) -> str:
     raise ValueError(f"no group for parameter {name}")
 
 
-def make_batches(data_dir: Path, count: int, seed: int, device, model_overrides: dict):
-    """The model's configuration and `count` packed batches: (input_ids, labels, token_index, trained targets)."""
+def make_batches(data_dir: Path, count: int, seed: int, device, model_overrides: dict, dropout: bool = False):
+    """The model's configuration (the recipe's dropout, or none) and `count` packed batches: (input_ids, labels,
+    token_index, trained targets)."""
     corpus = data_dir / "wiki.txt"
     tokenizer = corpus_tokenizer(corpus)
     model_settings = {**KNOWLEDGE.model, **model_overrides}
+    if not dropout:
+        model_settings.update(NO_DROPOUT)
     config = KnowGPTConfig(
         vocab_size=len(tokenizer), unk_token_id=tokenizer.unk_token_id, attention_type=KNOWLEDGE.attention_type,
-        embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0, **model_settings,
+        **model_settings,
     )  # fmt: skip
     block = config.block_size
     data = PretrainingData(
@@ -89,10 +97,12 @@ def make_batches(data_dir: Path, count: int, seed: int, device, model_overrides:
     return config, batches
 
 
-def gradients(model, loss_function, batches, autocast_dtype):
-    """Per batch: (loss, {parameter name: float64 gradient})."""
+def gradients(model, loss_function, batches, autocast_dtype, seed=0):
+    """Per batch: (loss, {parameter name: float64 gradient}); the random number generators seeded alike for
+    every way, so that with dropout each way draws its masks from the same seeds."""
     results = []
-    for input_ids, labels, token_index, trained in batches:
+    for number, (input_ids, labels, token_index, trained) in enumerate(batches):
+        torch.manual_seed(seed + number)
         model.zero_grad(set_to_none=True)
         loss = loss_function(model, input_ids, labels, token_index, trained, autocast_dtype)
         loss.backward()
@@ -142,6 +152,12 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint", help="a trained model (its vocabulary the corpus's); default: a fresh one")
     parser.add_argument("--model", nargs="*", default=[], metavar="FIELD=INT", help="model settings overridden")
+    parser.add_argument(
+        "--dropout",
+        action="store_true",
+        help="keep the recipe's dropout and measure each way against `compiled` (run first, with the same seeds)"
+        " instead of float64: a way whose kernels drew other dropout masks differs by far more than rounding",
+    )
     args = parser.parse_args(argv)
     ways = args.ways.split(",")
     if unknown := sorted(set(ways) - set(WAYS)):
@@ -159,10 +175,11 @@ def main(argv=None):
         pin_triton_ptxas()
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    config, batches = make_batches(Path(args.data_dir), args.batches, args.seed, device, overrides)
+    config, batches = make_batches(Path(args.data_dir), args.batches, args.seed, device, overrides, args.dropout)
     torch.manual_seed(args.seed)
     if args.checkpoint:  # trained weights (errors at initialization need not be those late in training)
-        trained = KnowGPTConfig.from_pretrained(args.checkpoint, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)
+        dropout = {field: getattr(config, field) for field in NO_DROPOUT}
+        trained = KnowGPTConfig.from_pretrained(args.checkpoint, **dropout)
         if (trained.vocab_size, trained.block_size) != (config.vocab_size, config.block_size):
             parser.error(f"--checkpoint {args.checkpoint}: vocabulary and block {trained.vocab_size}, "
                          f"{trained.block_size}; the batches' are {config.vocab_size}, {config.block_size}")  # fmt: skip
@@ -171,20 +188,25 @@ def main(argv=None):
         model = KnowGPTForCausalLM(config)
     model = model.to(device, torch.float32).train()
     reference_model = copy.deepcopy(model).double()
-    reference = gradients(reference_model, model_loss, batches, None)
     if device.type == "cuda":
         from hf_knowgpt.kernels.fused_attention import fused_attention_available
 
         if fused_attention_available():
             model.set_attn_implementation("triton")
+    reference_way = "compiled" if args.dropout else "float64"
+    loss_function, dtype = way_loss(reference_way)
+    reference_of = {"float64": reference_model, "compiled": model}[reference_way]
+    reference = gradients(reference_of, loss_function, batches, dtype, args.seed)
     rows = {}
     for way in ways:
         loss_function, dtype = way_loss(way)
         way_model = reference_model if way == "float64" else model
-        rows[way] = relative_errors(gradients(way_model, loss_function, batches, dtype), reference)
+        rows[way] = relative_errors(gradients(way_model, loss_function, batches, dtype, args.seed), reference)
         print(f"{way}: done", flush=True)
 
-    print(f"\n{describe_device()}; {args.batches} batches of {BATCH_SIZE}, seed {args.seed}; relative error")
+    dropout = ", the recipe's dropout" if args.dropout else ""
+    print(f"\n{describe_device()}; {args.batches} batches of {BATCH_SIZE}, seed {args.seed}{dropout}; "
+          f"relative difference from {reference_way}")  # fmt: skip
     print(f"{'way':<20}{'loss':>10}" + "".join(f"{group:>10}" for group in GROUPS))
     for way, errors in rows.items():
         print(f"{way:<20}{errors['loss']:>10.2e}" + "".join(f"{errors.get(g, 0.0):>10.2e}" for g in GROUPS))
