@@ -1,7 +1,7 @@
 """KnowGPT held to the contracts of transformers' own common tests, for all four attention types:
 `tests/test_modeling_common.py` (test_attention_outputs, test_hidden_states_output,
-test_training_gradient_checkpointing*, test_can_set_attention_dynamically, test_cpu_offload and
-test_disk_offload_*, the batching, outputs, embeddings, retained-gradient, resizing, missing-weights,
+test_training_gradient_checkpointing*, test_can_set_attention_dynamically, test_cpu_offload,
+test_disk_offload_* and test_model_parallelism (on two GPUs), the batching, outputs, embeddings, retained-gradient, resizing, missing-weights,
 half-precision and meta-device tests, test_torch_export, check config defaults);
 `tests/generation/test_utils.py` (attentions from generate, assisted and prompt-lookup decoding); the
 causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py` (every constructor path
