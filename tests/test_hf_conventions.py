@@ -1,13 +1,13 @@
 """KnowGPT held to the contracts of transformers' own common tests, for all four attention types:
 `tests/test_modeling_common.py` (test_attention_outputs, test_hidden_states_output,
 test_training_gradient_checkpointing*, test_can_set_attention_dynamically, test_cpu_offload,
-test_disk_offload_* and test_model_parallelism (on two GPUs), the batching, outputs, embeddings, retained-gradient, resizing, missing-weights,
-half-precision and meta-device tests, test_torch_export, check config defaults);
-`tests/generation/test_utils.py` (attentions from generate, assisted and prompt-lookup decoding); the
-causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py` (every constructor path
-gives the same tokenizer, a vocabulary given as (token, score) pairs included). And PEFT's LoRA adapters.
-`tests/test_modeling.py` holds the causality and cache-format contracts (test_past_key_values_format: keys and
-values per head).
+test_disk_offload_* and test_model_parallelism (on two GPUs), the batching, outputs, embeddings,
+retained-gradient, resizing, missing-weights, half-precision and meta-device tests, test_torch_export, check
+config defaults); `tests/generation/test_utils.py` (attentions from generate, assisted and prompt-lookup
+decoding); the causal-LM loss of `transformers.loss.loss_utils`; `tests/test_tokenization_common.py` (every
+constructor path gives the same tokenizer, a vocabulary given as (token, score) pairs included). And PEFT's
+LoRA adapters. `tests/test_modeling.py` holds the causality and cache-format contracts
+(test_past_key_values_format: keys and values per head).
 
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
