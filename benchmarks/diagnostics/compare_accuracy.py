@@ -71,11 +71,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     groups = {name: summarize(group_runs(sources)) for name, sources in args.group}
     first = next(iter(groups.values()))
-    print(f"{'group':<16}{'runs':>5}{'dev % mean ± std':>19}{'range':>14}{'final loss':>12}{'vs first':>10}  dev %")
+    width = max(16, *(len(name) + 1 for name in groups))
+    print(
+        f"{'group':<{width}}{'runs':>5}{'dev % mean ± std':>19}{'range':>14}{'final loss':>12}{'vs first':>10}  dev %"
+    )
     for name, group in groups.items():
         apart = "" if group is first else f"{standard_errors_apart(first, group):+.1f} se"
         print(
-            f"{name:<16}{group['runs']:>5}{group['mean']:>12.2f} ± {group['std']:.2f}"
+            f"{name:<{width}}{group['runs']:>5}{group['mean']:>12.2f} ± {group['std']:.2f}"
             f"{group['low']:>8.1f}–{group['high']:<5.1f}{group['final_loss']:>12.4f}{apart:>10}  "
             + ", ".join(f"{accuracy:.1f}" for accuracy in group["accuracies"])
         )
