@@ -17,9 +17,9 @@ The batches are the corpus's span-corrupted documents, read as the knowledge rec
 dropout is off so that every way computes the same function. Only the loss and its gradients are compared, not
 the clipping, which training compiles too. The knowledge recipe answered about 0.6 points less with tuned
 kernels (benchmarks/RESULTS.md): a way whose gradients are further from float64 than `compiled`'s would say
-why. With `--dropout` the recipe's dropout stays on and each way is measured against `compiled` instead, every
-way's random number generators seeded alike: a way whose kernels drew other masks from the same seeds differs
-by far more than rounding.
+why (none was, on an H200). With `--dropout` the recipe's dropout stays on and each way is measured against
+`compiled` instead, every way's random number generators seeded alike: a way whose kernels drew other masks
+from the same seeds differs by far more than rounding.
 
     python benchmarks/diagnostics/tuned_gradients.py --data_dir .data --dropout --ways compiled,compiled-tuned
 """
@@ -178,8 +178,8 @@ def main(argv=None):
     config, batches = make_batches(Path(args.data_dir), args.batches, args.seed, device, overrides, args.dropout)
     torch.manual_seed(args.seed)
     if args.checkpoint:  # trained weights (errors at initialization need not be those late in training)
-        dropout = {field: getattr(config, field) for field in NO_DROPOUT}
-        trained = KnowGPTConfig.from_pretrained(args.checkpoint, **dropout)
+        dropout_settings = {field: getattr(config, field) for field in NO_DROPOUT}
+        trained = KnowGPTConfig.from_pretrained(args.checkpoint, **dropout_settings)
         if (trained.vocab_size, trained.block_size) != (config.vocab_size, config.block_size):
             parser.error(f"--checkpoint {args.checkpoint}: vocabulary and block {trained.vocab_size}, "
                          f"{trained.block_size}; the batches' are {config.vocab_size}, {config.block_size}")  # fmt: skip
