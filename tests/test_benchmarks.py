@@ -238,7 +238,7 @@ def test_the_two_level_loss_variant_gives_the_models_loss(monkeypatch):
     from hf_knowgpt import modeling_knowgpt
 
     summed_at_once = modeling_knowgpt.causal_lm_loss
-    monkeypatch.setattr(modeling_knowgpt, "causal_lm_loss", summed_at_once)
+    monkeypatch.setattr(modeling_knowgpt, "causal_lm_loss", summed_at_once)  # put back after the test
     monkeypatch.setattr("hf_knowgpt.commands.cli.run_script", lambda main: None)
     monkeypatch.setattr(sys, "argv", sys.argv)
     step_variants.run_one("loss-two-level", ["--recipe", "quickstart"])
