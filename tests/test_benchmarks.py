@@ -107,6 +107,33 @@ def test_step_variants_keeps_caches_where_told_and_apart_per_variant(tmp_path):
     assert len({*as_is.values(), *splits1.values()}) == 6
 
 
+def test_step_variants_writes_each_run_as_it_ends_and_starts_none_past_its_deadline(tmp_path, monkeypatch, capsys):
+    """`--output` holds every finished run as soon as it ends (a machine lent for a fixed time may stop the
+    script), and `--start_by` starts no run past its deadline, naming the runs it skipped."""
+    written = []
+
+    def fake_run(command, check, env):  # one run of train.py: its results.json, after a while
+        output_dir = Path(command[command.index("--output_dir") + 1])
+        output_dir.mkdir(parents=True)
+        time.sleep(0.2)
+        pretrain = {"train_seconds": 3.0, "warmup_seconds": 1.0, "captures": [], "final_loss": 0.5}
+        summary = {"stages": {"pretrain": pretrain}, "timeline": [], "dev": {"accuracy": 0.25}}
+        (output_dir / "results.json").write_text(json.dumps(summary))
+        if output.is_file():
+            written.append(len(json.loads(output.read_text())))
+
+    output = tmp_path / "runs.json"
+    monkeypatch.setattr(step_variants.subprocess, "run", fake_run)
+    arguments = ["--variants", "as-is,splits1", "--seeds", "0,1", "--output", str(output), "--", "--recipe", "handout"]
+    step_variants.main(arguments)
+    assert written == [1, 2, 3] and len(json.loads(output.read_text())) == 4
+    assert not (tmp_path / "runs.json.partial").exists()
+    step_variants.main([*arguments[:6], "--start_by", "0.1", *arguments[6:]])
+    runs = json.loads(output.read_text())
+    assert [(run["variant"], run["seed"]) for run in runs] == [("as-is", 0)] and runs[0]["pretrain_steps_s"] == 2.0
+    assert "not started: splits1 seed 0, as-is seed 1, splits1 seed 1" in capsys.readouterr().out
+
+
 def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(monkeypatch):
     """A variant whose inductor option this torch does not have would otherwise run as the code is (the
     graphed step leaves unknown options out) and be reported as if it had been measured."""

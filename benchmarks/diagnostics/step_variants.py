@@ -12,7 +12,8 @@ Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `
 before the command starts (`--run_one`). Each variant has its own TorchInductor, Triton and package (compiled
 artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm (`--caches
 DIR` keeps them under DIR, where other runs of this script find them). `compare_accuracy.py` reads the JSON
-files of several such runs and compares the accuracy of groups of them.
+files of several such runs and compares the accuracy of groups of them. `--output` is written again after each
+run, and `--start_by SECONDS` starts no run later than that, for a machine lent for a fixed time.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or 1
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
@@ -230,7 +231,15 @@ def parse_args(argv=None):
     )
     parser.add_argument("--variants", default="splits3,splits1", help=f"from {', '.join(VARIANTS)}, in order")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--output", default=None, help="write the runs as JSON here")
+    parser.add_argument("--output", default=None, help="write the runs as JSON here (again after each run)")
+    parser.add_argument(
+        "--start_by",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start no run later than this many seconds after this script started (a machine lent for a fixed"
+        " time): the runs left are named and skipped",
+    )
     parser.add_argument(
         "--caches",
         default=None,
@@ -245,8 +254,8 @@ def parse_args(argv=None):
     return parser, args, [a for a in train_args if a != "--"]
 
 
-def main():
-    parser, args, train_args = parse_args()
+def main(argv=None):
+    parser, args, train_args = parse_args(argv)
     if args.run_one is not None:
         return run_one(args.run_one, train_args)
     variants = args.variants.split(",")
@@ -254,49 +263,55 @@ def main():
         parser.error(f"unknown --variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
     work = Path(tempfile.mkdtemp(prefix="knowgpt-step-variants-"))
-    runs = []
-    for seed in args.seeds.split(","):
-        for variant in variants:
-            output_dir = work / f"{variant}-seed{seed}-run{len(runs)}"
-            caches = variant_caches(Path(args.caches) if args.caches else work, variant)
-            this_run = [__file__, "--run_one", variant, *train_args, "--seed", seed]
-            if args.processes > 1:
-                command = launch(args.processes, precision, *this_run)
-            else:
-                command = [sys.executable, *this_run]
-            command += ["--output_dir", str(output_dir)]
-            started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-            started_wall = time.time()  # the timeline's marks are wall clock
-            subprocess.run(command, check=True, env={**os.environ, **caches})
-            seconds, ended_wall = time.perf_counter() - started, time.time()
-            faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
-            summary = json.loads((output_dir / "results.json").read_text())
-            pretrain = summary["stages"]["pretrain"]
-            phases = dict(phase_seconds(started_wall, summary["timeline"], ended_wall))
-            steps_s = pretrain["train_seconds"] - pretrain["warmup_seconds"]  # loading precedes train_seconds
-            counters_file = output_dir / COUNTERS_FILE
-            counters = json.loads(counters_file.read_text()) if counters_file.is_file() else {}
-            runs.append(
-                {
-                    "variant": variant,
-                    "seed": int(seed),
-                    "process_s": seconds,
-                    "pretrain_capture_s": pretrain["warmup_seconds"],
-                    "pretrain_graphs": len(pretrain["captures"]),
-                    "pretrain_first_capture_s": pretrain["captures"][0]["seconds"] if pretrain["captures"] else 0.0,
-                    "pretrain_load_s": pretrain.get("load_seconds", 0.0),
-                    "pretrain_steps_s": steps_s,
-                    "exit_s": phases["exit"],
-                    "process_less_steps_s": seconds - steps_s,
-                    "page_faults": faults,
-                    "coordesc_benchmarks": counters.get("coordesc_tuning_bench", 0),
-                    "final_loss": pretrain["final_loss"],
-                    "dev_accuracy": summary["dev"]["accuracy"],
-                }
-            )
-            print(json.dumps(runs[-1]), flush=True)
-    if args.output:
-        Path(args.output).write_text(json.dumps(runs, indent=2))
+    runs, began = [], time.perf_counter()
+    planned = [(seed, variant) for seed in args.seeds.split(",") for variant in variants]
+    for number, (seed, variant) in enumerate(planned):
+        if args.start_by is not None and time.perf_counter() - began > args.start_by:
+            left = ", ".join(f"{later} seed {later_seed}" for later_seed, later in planned[number:])
+            print(f"--start_by {args.start_by:g} s passed: not started: {left}", flush=True)
+            break
+        output_dir = work / f"{variant}-seed{seed}-run{len(runs)}"
+        caches = variant_caches(Path(args.caches) if args.caches else work, variant)
+        this_run = [__file__, "--run_one", variant, *train_args, "--seed", seed]
+        if args.processes > 1:
+            command = launch(args.processes, precision, *this_run)
+        else:
+            command = [sys.executable, *this_run]
+        command += ["--output_dir", str(output_dir)]
+        started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+        started_wall = time.time()  # the timeline's marks are wall clock
+        subprocess.run(command, check=True, env={**os.environ, **caches})
+        seconds, ended_wall = time.perf_counter() - started, time.time()
+        faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
+        summary = json.loads((output_dir / "results.json").read_text())
+        pretrain = summary["stages"]["pretrain"]
+        phases = dict(phase_seconds(started_wall, summary["timeline"], ended_wall))
+        steps_s = pretrain["train_seconds"] - pretrain["warmup_seconds"]  # loading precedes train_seconds
+        counters_file = output_dir / COUNTERS_FILE
+        counters = json.loads(counters_file.read_text()) if counters_file.is_file() else {}
+        runs.append(
+            {
+                "variant": variant,
+                "seed": int(seed),
+                "process_s": seconds,
+                "pretrain_capture_s": pretrain["warmup_seconds"],
+                "pretrain_graphs": len(pretrain["captures"]),
+                "pretrain_first_capture_s": pretrain["captures"][0]["seconds"] if pretrain["captures"] else 0.0,
+                "pretrain_load_s": pretrain.get("load_seconds", 0.0),
+                "pretrain_steps_s": steps_s,
+                "exit_s": phases["exit"],
+                "process_less_steps_s": seconds - steps_s,
+                "page_faults": faults,
+                "coordesc_benchmarks": counters.get("coordesc_tuning_bench", 0),
+                "final_loss": pretrain["final_loss"],
+                "dev_accuracy": summary["dev"]["accuracy"],
+            }
+        )
+        print(json.dumps(runs[-1]), flush=True)
+        if args.output:  # after each run, so that a run cut short leaves those before it
+            partial = Path(f"{args.output}.partial")
+            partial.write_text(json.dumps(runs, indent=2))
+            partial.replace(args.output)
     print(
         f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'graphs':>8}"
         f"{'first s':>9}{'load s':>8}{'steps s':>9}{'exit s':>8}{'process s':>11}{'less steps':>12}{'page faults':>13}{'tuned':>7}"
