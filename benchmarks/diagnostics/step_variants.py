@@ -13,7 +13,8 @@ before the command starts (`--run_one`). Each variant has its own TorchInductor,
 artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm (`--caches
 DIR` keeps them under DIR, where other runs of this script find them). `compare_accuracy.py` reads the JSON
 files of several such runs and compares the accuracy of groups of them. `--output` is written again after each
-run, and `--start_by SECONDS` starts no run later than that, for a machine lent for a fixed time.
+run, and `--start_by SECONDS` starts no run more than SECONDS after the script began, for a machine lent for a
+fixed time.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or 1
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
