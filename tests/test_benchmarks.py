@@ -127,7 +127,7 @@ def test_step_variants_writes_each_run_as_it_ends_and_starts_none_past_its_deadl
     arguments = ["--variants", "as-is,splits1", "--seeds", "0,1", "--output", str(output), "--", "--recipe", "handout"]
     step_variants.main(arguments)
     assert written == [1, 2, 3] and len(json.loads(output.read_text())) == 4
-    assert not (tmp_path / "runs.json.partial").exists()
+    assert [path.name for path in tmp_path.iterdir()] == ["runs.json"]  # no staging file left beside it
     step_variants.main([*arguments[:6], "--start_by", "0.1", *arguments[6:]])
     runs = json.loads(output.read_text())
     assert [(run["variant"], run["seed"]) for run in runs] == [("as-is", 0)] and runs[0]["pretrain_steps_s"] == 2.0

@@ -76,6 +76,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_knowgpt.utils.checkpoints import write_json_atomic
 from hf_knowgpt.utils.timeline import phase_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -310,9 +311,7 @@ def main(argv=None):
         )
         print(json.dumps(runs[-1]), flush=True)
         if args.output:  # after each run, so that a run cut short leaves those before it
-            partial = Path(f"{args.output}.partial")
-            partial.write_text(json.dumps(runs, indent=2))
-            partial.replace(args.output)
+            write_json_atomic(args.output, runs)
     print(
         f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'graphs':>8}"
         f"{'first s':>9}{'load s':>8}{'steps s':>9}{'exit s':>8}{'process s':>11}{'less steps':>12}{'page faults':>13}{'tuned':>7}"
