@@ -400,6 +400,14 @@ def test_generation_modes_keep_transformers_generation_contracts(attention_type)
     assert torch.equal(continued, one_shot)
 
 
+def left_padded_generation(ids):
+    """generate()'s arguments for the first 6 tokens of `ids`, the first row left-padded by 3, so that
+    generation's positions and visibility are both exercised."""
+    mask = torch.ones_like(ids[:, :6])
+    mask[0, :3] = 0
+    return dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+
+
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
 def test_weights_offloaded_by_a_device_map_give_the_same_logits_and_tokens(attention_type, tmp_path):
     """test_cpu_offload / test_disk_offload_safetensors: loaded with `device_map="auto"` and too little memory,
@@ -410,9 +418,7 @@ def test_weights_offloaded_by_a_device_map_give_the_same_logits_and_tokens(atten
     model = make_model(attention_type)
     model.save_pretrained(tmp_path / "model")
     ids = inputs()
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding, so that generation's positions and visibility are both exercised
-    generation = dict(attention_mask=mask[:, :6], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    generation = left_padded_generation(ids)
     with torch.no_grad():
         logits = model(ids).logits
     tokens = model.generate(ids[:, :6], **generation)
@@ -447,9 +453,7 @@ def test_a_device_map_over_two_gpus_gives_the_one_gpu_logits_and_tokens(attentio
     split = KnowGPTForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map)
     assert set(split.hf_device_map.values()) == {0, 1}
     ids = inputs().to("cuda:0")
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    generation = dict(attention_mask=mask[:, :6], max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    generation = left_padded_generation(ids)
     with torch.no_grad():
         torch.testing.assert_close(split(ids).logits.to("cuda:0"), model(ids).logits, atol=1e-6, rtol=1e-6)
     assert torch.equal(split.generate(ids[:, :6], **generation).cpu(), model.generate(ids[:, :6], **generation).cpu())
