@@ -38,7 +38,7 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout
+from .layers_knowgpt import KnowGPTDropout, causal_lm_loss
 
 logger = logging.get_logger(__name__)
 
@@ -578,18 +578,6 @@ class KnowGPTForCausalLM(KnowGPTPreTrainedModel, GenerationMixin):
                 targets = targets.reshape(-1).index_select(0, token_index)
             losses.append(causal_lm_loss(head(hidden_states), targets, normalizer))
         return torch.stack(losses).mean()
-
-
-def causal_lm_loss(logits, targets, num_items_in_batch=None):
-    """Mean cross-entropy over targets that are not -100, or their sum over `num_items_in_batch` when given
-    (transformers' causal-LM loss)."""
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    targets = targets.reshape(-1).to(logits.device)
-    if num_items_in_batch is None:
-        return F.cross_entropy(logits, targets, ignore_index=-100)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(logits.device)
-    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum") / num_items_in_batch
 
 
 # Saved checkpoints get this code beside the weights and an auto_map pointing at it.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, perturbed_model, write_cs224n_named_synthetic
+from conftest import REPO_ROOT, write_cs224n_named_synthetic
 from cs224n_reference import GPT, Config
 
 from hf_knowgpt.utils.timeline import phase_seconds
@@ -259,31 +259,22 @@ def test_compare_accuracy_groups_runs_by_file_and_variant_and_measures_the_gap(t
         compare_accuracy.main(["--group", f"none={tmp_path}/missing*.json"])
 
 
-def test_the_two_level_loss_variant_gives_the_models_loss(monkeypatch):
-    """`loss-two-level`: the loss summed 256 tokens at a time, then those sums, equals the model's own sum; token
-    counts that are not multiples of 256, and the mean without `num_items_in_batch`, are left to the model's."""
-    from hf_knowgpt import modeling_knowgpt
+def test_the_one_level_loss_variant_sums_every_token_at_once(monkeypatch):
+    """`loss-one-level`: the model's loss summed over all the tokens in one reduction, as it was before the sum
+    in two levels, for the whole command run with it."""
+    from hf_knowgpt import layers_knowgpt
 
-    summed_at_once = modeling_knowgpt.causal_lm_loss
-    monkeypatch.setattr(modeling_knowgpt, "causal_lm_loss", summed_at_once)  # put back after the test
+    monkeypatch.setattr(layers_knowgpt, "LOSS_CHUNK", layers_knowgpt.LOSS_CHUNK)  # restored after the test
     monkeypatch.setattr("hf_knowgpt.commands.cli.run_script", lambda main: None)
     monkeypatch.setattr(sys, "argv", sys.argv)
-    step_variants.run_one("loss-two-level", ["--recipe", "quickstart"])
-    chunked = modeling_knowgpt.causal_lm_loss
-    assert chunked is not summed_at_once
-    generator = torch.Generator().manual_seed(0)
-    for tokens in (512, 300):
-        logits = torch.randn(2, tokens // 2, 257, generator=generator)
-        targets = torch.randint(0, 257, (2, tokens // 2), generator=generator)
-        targets[0, :7] = -100
-        trained = torch.tensor(float((targets != -100).sum()))
-        torch.testing.assert_close(chunked(logits, targets, trained), summed_at_once(logits, targets, trained))
-        assert torch.equal(chunked(logits, targets), summed_at_once(logits, targets))
-    model = perturbed_model("vanilla")
-    ids = torch.randint(2, 22, (16, 17), generator=generator)  # 256 targets once shifted
-    expected = model(ids, labels=ids, num_items_in_batch=torch.tensor(256.0)).loss
-    monkeypatch.setattr(modeling_knowgpt, "causal_lm_loss", chunked)
-    torch.testing.assert_close(model(ids, labels=ids, num_items_in_batch=torch.tensor(256.0)).loss, expected)
+    step_variants.run_one("as-is", ["--recipe", "quickstart"])
+    assert layers_knowgpt.LOSS_CHUNK == 256
+    step_variants.run_one("loss-one-level", ["--recipe", "quickstart"])
+    assert layers_knowgpt.LOSS_CHUNK == 0
+    logits, targets = torch.randn(512, 9), torch.randint(0, 9, (512,))
+    with torch.no_grad():
+        summed = layers_knowgpt.causal_lm_loss(logits, targets, 512)
+    torch.testing.assert_close(summed, torch.nn.functional.cross_entropy(logits, targets))
 
 
 def test_tuned_gradients_measures_each_way_against_the_float64_step(tmp_path, capsys):

@@ -428,3 +428,43 @@ def test_resizing_the_vocabulary_resizes_the_further_heads():
     assert all(head.weight.shape == (VOCAB + 5, 16) for head in model.future_heads)
     ids = torch.randint(2, VOCAB + 5, (2, 10), generator=torch.Generator().manual_seed(3))
     model(ids, labels=ids).loss.backward()  # the new ids are targets of every head
+
+
+def test_the_summed_loss_adds_chunks_of_tokens_then_their_sums_in_one_compiled_graph(monkeypatch):
+    """The loss over `num_items_in_batch` sums `LOSS_CHUNK` tokens at a time, then those sums, where the token
+    count is a multiple of it (packed steps' are), and all at once where not; compiled for a dynamic token count,
+    one graph serves every multiple. The model's loss is that function's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    loss = layers_knowgpt.causal_lm_loss
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (512, 300):
+        logits = torch.randn(2, tokens // 2, 257, generator=generator)
+        targets = torch.randint(0, 257, (2, tokens // 2), generator=generator)
+        targets[0, :7] = -100
+        kept = (targets != -100).sum()
+        in_float64 = F.cross_entropy(logits.reshape(tokens, 257).double(), targets.reshape(-1), reduction="sum")
+        expected = (in_float64 / kept).float()
+        torch.testing.assert_close(loss(logits, targets, kept), expected)
+        torch.testing.assert_close(loss(logits, targets), expected)  # the mean over kept targets
+    model = make_model("vanilla")
+    ids = random_ids(16, 17)  # 256 targets once shifted
+    chunked = model(ids, labels=ids, num_items_in_batch=torch.tensor(256.0)).loss
+    monkeypatch.setattr(layers_knowgpt, "LOSS_CHUNK", 0)
+    torch.testing.assert_close(model(ids, labels=ids, num_items_in_batch=torch.tensor(256.0)).loss, chunked)
+    monkeypatch.setattr(layers_knowgpt, "LOSS_CHUNK", 256)
+
+    graphs = []
+
+    def record(graph, example_inputs):
+        graphs.append(graph)
+        return graph
+
+    counter = CompileCounterWithBackend(record)
+    compiled = torch.compile(loss, backend=counter, dynamic=True, fullgraph=True)
+    for tokens in (512, 768, 1024):
+        logits, targets = torch.randn(tokens, 257, generator=generator), torch.randint(0, 257, (tokens,))
+        torch.testing.assert_close(compiled(logits, targets, 100.0), loss(logits, targets, 100.0))
+    assert counter.frame_count == 1
+    sums = [node for node in graphs[0].graph.nodes if node.target in (torch.sum, "sum")]
+    assert len(sums) == 2, graphs[0].code  # per chunk, then over the chunks

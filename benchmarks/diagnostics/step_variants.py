@@ -47,9 +47,9 @@ traced by dynamo in every run, instead of compiled whole and kept (`traced-every
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
 traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads
 left as they are while the step loads, so that its pool of compile workers starts
-(`compile-workers-when-loaded`, `compile_cache._compile_in_this_process`); the loss summed over the tokens 256
-at a time and then those sums, where inductor otherwise reduces over the symbolic token count in one program
-(`loss-two-level`, `chunked_loss`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+(`compile-workers-when-loaded`, `compile_cache._compile_in_this_process`); the loss summed over all the tokens
+at once, where the model sums 256 at a time and then those sums (`loss-one-level`,
+`layers_knowgpt.LOSS_CHUNK`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -114,7 +114,7 @@ VARIANTS = {
     "functions-only": {"functions_only": True},
     "compile-workers-when-loaded": {"compile_workers_when_loaded": True},
     "no-memory-reuse": {"memory_reuse": False},
-    "loss-two-level": {"loss_chunk": 256},
+    "loss-one-level": {"loss_chunk": 0},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
@@ -134,28 +134,6 @@ def write_inductor_counters(output_dir: Path) -> None:
 
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / COUNTERS_FILE).write_text(json.dumps(dict(counters["inductor"])))
-
-
-def chunked_loss(chunk: int):
-    """`modeling_knowgpt.causal_lm_loss` with its sum over the tokens taken in two levels, `chunk` tokens at a
-    time and then those sums, where the token count is a multiple of `chunk` (a packed step's always is). The
-    compiled step's token count is a symbol, and inductor reduces over it in one program (benchmarks/RESULTS.md,
-    the loss's `size_hints={'x': 1}`); per-chunk sums give it as many programs as chunks."""
-    import torch.nn.functional as F
-
-    from hf_knowgpt import modeling_knowgpt
-
-    summed_at_once = modeling_knowgpt.causal_lm_loss
-
-    def causal_lm_loss(logits, targets, num_items_in_batch=None):
-        tokens = logits.numel() // logits.shape[-1]
-        if num_items_in_batch is None or tokens % chunk:
-            return summed_at_once(logits, targets, num_items_in_batch)
-        logits = logits.reshape(tokens, logits.shape[-1]).float()
-        losses = F.cross_entropy(logits, targets.reshape(-1).to(logits.device), ignore_index=-100, reduction="none")
-        return losses.view(-1, chunk).sum(1).sum() / num_items_in_batch
-
-    return causal_lm_loss
 
 
 def run_one(variant: str, train_args: list[str]) -> None:
@@ -196,10 +174,10 @@ def run_one(variant: str, train_args: list[str]) -> None:
         from hf_knowgpt.training import compile_cache
 
         compile_cache._compile_in_this_process = lambda: None
-    if settings.get("loss_chunk"):
-        from hf_knowgpt import modeling_knowgpt
+    if "loss_chunk" in settings:
+        from hf_knowgpt import layers_knowgpt
 
-        modeling_knowgpt.causal_lm_loss = chunked_loss(settings["loss_chunk"])
+        layers_knowgpt.LOSS_CHUNK = settings["loss_chunk"]
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):
