@@ -66,6 +66,33 @@ def test_the_file_depends_on_the_key_and_the_versions(monkeypatch, tmp_path):
     assert compile_cache.compile_cache_dir() == tmp_path / "package" / "compiled"
 
 
+def test_the_code_digest_covers_the_package_the_corpus_logic_and_the_models_own_files(tmp_path, monkeypatch):
+    """A loaded compiled function runs what was traced when it was saved, so the file is kept per version of the
+    code: the package's, `data_loaders`' (the step's span corruption), and the files beside the model's class."""
+    import importlib.util
+
+    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+
+    config = KnowGPTConfig(vocab_size=12, block_size=8, n_layer=1, n_embd=8, n_head=2)
+    names = {(path.parent.name, path.name) for path in compile_cache.traced_sources(KnowGPTForCausalLM(config))}
+    assert {("hf_knowgpt", "modeling_knowgpt.py"), ("kernels", "fused_attention.py")} <= names
+    assert {("training", "fast_path.py"), ("data_loaders", "span_corruption.py")} <= names
+
+    source = tmp_path / "my_models" / "modeling_mine.py"
+    source.parent.mkdir()
+    source.write_text("from hf_knowgpt import KnowGPTForCausalLM\n\n\nclass Mine(KnowGPTForCausalLM):\n    pass\n")
+    spec = importlib.util.spec_from_file_location("modeling_mine", source)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "modeling_mine", module)
+    spec.loader.exec_module(module)
+    mine = module.Mine(config)
+    assert source.resolve() in compile_cache.traced_sources(mine)
+    before = compile_cache.code_digest(mine)
+    assert before == compile_cache.code_digest(mine) != compile_cache.code_digest(KnowGPTForCausalLM(config))
+    source.write_text(source.read_text().replace("pass", "def forward(self, *args, **kwargs):\n        return None"))
+    assert compile_cache.code_digest(mine) != before  # the file edited: what was compiled for it is not reused
+
+
 def test_a_missing_or_damaged_file_is_skipped(tmp_path, caplog):
     assert not compile_cache.load_artifacts(tmp_path / "absent.bin")
     damaged = tmp_path / "damaged.bin"
@@ -118,6 +145,7 @@ def test_a_later_process_loads_the_traced_function_and_traces_nothing(tmp_path):
     runs = []
     for name in ("first", "later"):
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
+        env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)  # a count set there is kept while loading
         completed = subprocess.run([sys.executable, "-c", PRECOMPILED_STEP, str(path)], env=env,
                                    capture_output=True, text=True, timeout=600)  # fmt: skip
         assert completed.returncode == 0, completed.stderr[-3000:]

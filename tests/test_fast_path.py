@@ -25,6 +25,7 @@ from data_loaders import (
 )
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
 from hf_knowgpt.kernels.fused_attention import fused_attention_available
+from hf_knowgpt.training import fast_path
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.data import FinetuningData, MixedData, PretrainingData, VariantRows
 from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options, resolve_training_path
@@ -409,9 +410,10 @@ def test_a_later_compiled_step_loads_what_an_earlier_one_traced(pretraining_data
     assert later_losses == pytest.approx(first_losses, rel=1e-5)  # bf16 sums on CPU threads: not bit for bit
 
 
-def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraining_data, tmp_path):
-    """The package's file of compiled artifacts (`compile_cache`) is keyed by the model and the step: the same
-    for a model loaded from any checkpoint path, another for another width or attention implementation."""
+def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraining_data, tmp_path, monkeypatch):
+    """The package's file of compiled artifacts (`compile_cache`) is keyed by the model, the step and the code:
+    the same for a model loaded from any checkpoint path, another for another width, attention implementation
+    or version of the code it traces."""
     tokenizer, data = pretraining_data
     files = []
     cases = [("", 32, "sdpa"), ("/runs/a/pretrained", 32, "sdpa"), ("/runs/b/pretrained", 32, "sdpa")]
@@ -424,6 +426,13 @@ def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraini
         trainer = make_trainer(tmp_path / str(len(files)), data, model, graphed=True)
         files.append(GraphedStepper(trainer, compile_model=True, bucket=64).artifacts)
     assert files[0] == files[1] == files[2] and len({files[0], files[3], files[4]}) == 3
+    # another version of the code: what was compiled for the package's own model is not loaded for it
+    monkeypatch.setattr(fast_path, "code_digest", lambda model: "edited")
+    model = KnowGPTForCausalLM(
+        tiny_config("vanilla", vocab_size=len(tokenizer), block_size=BLOCK, n_embd=32, n_head=4)
+    )
+    trainer = make_trainer(tmp_path / "edited", data, model, graphed=True)
+    assert GraphedStepper(trainer, compile_model=True, bucket=64).artifacts not in files
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -431,9 +431,9 @@ def test_resizing_the_vocabulary_resizes_the_further_heads():
 
 
 def test_the_summed_loss_adds_chunks_of_tokens_then_their_sums_in_one_compiled_graph(monkeypatch):
-    """The loss over `num_items_in_batch` sums `LOSS_CHUNK` tokens at a time, then those sums, where the token
-    count is a multiple of it (packed steps' are), and all at once where not; compiled for a dynamic token count,
-    one graph serves every multiple. The model's loss is that function's."""
+    """The loss over `num_items_in_batch` sums `LOSS_CHUNK` tokens at a time (the last chunk padded), then those
+    sums; compiled for a dynamic token count, one graph serves every count, multiple of the chunk or not. The
+    model's loss is that function's."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     loss = layers_knowgpt.causal_lm_loss
@@ -462,7 +462,7 @@ def test_the_summed_loss_adds_chunks_of_tokens_then_their_sums_in_one_compiled_g
 
     counter = CompileCounterWithBackend(record)
     compiled = torch.compile(loss, backend=counter, dynamic=True, fullgraph=True)
-    for tokens in (512, 768, 1024):
+    for tokens in (512, 320, 768, 1000):
         logits, targets = torch.randn(tokens, 257, generator=generator), torch.randint(0, 257, (tokens,))
         torch.testing.assert_close(compiled(logits, targets, 100.0), loss(logits, targets, 100.0))
     assert counter.frame_count == 1

@@ -1,10 +1,10 @@
 """What a compiled training step compiled, kept by the package across processes whose compiler caches are empty.
 
-torch.compile keeps its results in TorchInductor's cache (by default in the system's temporary folder,
-emptied by a reboot or a new container) and Triton's. `torch.compiler.save_cache_artifacts` gathers what a
-process compiled or found there into bytes, and `load_cache_artifacts` writes such bytes back into the
-caches, so a later process on the same kind of card, with the same versions, finds them there instead of
-compiling again. The package keeps one file per model and step shape under `compile_cache_dir()`:
+torch.compile keeps its results in TorchInductor's cache (by default in the system's temporary folder, emptied
+by a reboot or a new container) and Triton's. `torch.compiler.save_cache_artifacts` gathers what a process
+compiled or found there into bytes, and `load_cache_artifacts` writes such bytes back into the caches, so a
+later process on the same kind of card, with the same versions, finds them there instead of compiling again.
+The package keeps one file per model, step shape and version of the code under `compile_cache_dir()`:
 `$KNOWGPT_COMPILE_CACHE`, else `$KNOWGPT_CACHE/compiled`, else `~/.cache/hf_knowgpt/compiled`. A file that
 cannot be read or loaded is reported and skipped: it never stops a run.
 
@@ -18,6 +18,7 @@ compile workers for code whose kernels all come from its caches, and wait for th
 """
 
 import hashlib
+import inspect
 import io
 import json
 import logging
@@ -48,6 +49,32 @@ def artifacts_file(**key) -> Path:
         triton_version = None
     described = json.dumps({**key, "torch": torch.__version__, "triton": triton_version}, sort_keys=True, default=str)
     return compile_cache_dir() / f"{hashlib.sha256(described.encode()).hexdigest()[:24]}.bin"
+
+
+def traced_sources(model) -> list[Path]:
+    """The Python files whose code a compiled step of `model` may trace: this package's and `data_loaders`', and
+    those beside the model's class (a checkpoint's own code, a subclass of the user's)."""
+    import data_loaders
+    import hf_knowgpt
+
+    files = [*Path(hf_knowgpt.__file__).parent.rglob("*.py"), *Path(data_loaders.__file__).parent.rglob("*.py")]
+    try:
+        model_file = inspect.getsourcefile(type(model))
+    except TypeError:  # a class whose module has no file
+        model_file = None
+    if model_file:
+        files += Path(model_file).parent.glob("*.py")
+    return sorted({path.resolve() for path in files})
+
+
+def code_digest(model) -> str:
+    """A digest of `traced_sources(model)`, for the key of `artifacts_file`. A loaded compiled function runs what
+    was traced when it was saved, without tracing the Python again: kept for other code (an edited model, an
+    upgraded package) it would run that code."""
+    digest = hashlib.sha256()
+    for path in traced_sources(model):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:24]
 
 
 def load_artifacts(path: Path) -> bool:
@@ -247,6 +274,7 @@ def save_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
 __all__ = [
     "PrecompiledFunction",
     "artifacts_file",
+    "code_digest",
     "compile_cache_dir",
     "compiled_anew",
     "functions_file",
@@ -254,4 +282,5 @@ __all__ = [
     "load_functions",
     "save_artifacts",
     "save_functions",
+    "traced_sources",
 ]

@@ -28,6 +28,7 @@ from ..options import TRAINING_PATHS
 from .compile_cache import (
     PrecompiledFunction,
     artifacts_file,
+    code_digest,
     functions_file,
     load_artifacts,
     load_functions,
@@ -259,7 +260,7 @@ class GraphedStepper:
         # The package's file of what an earlier process compiled for this model and these step shapes.
         described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # any checkpoint
         self.artifacts = artifacts_file(
-            model=described, attention=model.config._attn_implementation,
+            model=described, attention=model.config._attn_implementation, code=code_digest(model),
             fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
             packed=self.packed, seq_len=self.seq_len, rows=self.rows,
             bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
