@@ -260,8 +260,8 @@ def test_compare_accuracy_groups_runs_by_file_and_variant_and_measures_the_gap(t
 
 
 def test_the_one_level_loss_variant_sums_every_token_at_once(monkeypatch):
-    """`loss-one-level`: the model's loss summed over all the tokens in one reduction, as it was before the sum
-    in two levels, for the whole command run with it."""
+    """`loss-one-level` runs the whole command with the model's loss summed over all the tokens in one reduction
+    (`LOSS_CHUNK` 0), to be timed beside the sum in two levels."""
     from hf_knowgpt import layers_knowgpt
 
     monkeypatch.setattr(layers_knowgpt, "LOSS_CHUNK", layers_knowgpt.LOSS_CHUNK)  # restored after the test
