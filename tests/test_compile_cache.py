@@ -93,6 +93,40 @@ def test_the_code_digest_covers_the_package_the_corpus_logic_and_the_models_own_
     assert compile_cache.code_digest(mine) != before  # the file edited: what was compiled for it is not reused
 
 
+def test_saving_a_step_removes_the_least_recently_used_steps_over_the_limit(tmp_path, monkeypatch):
+    """Every version of the code gets files of its own, so the folder is bounded: saving a step removes whole
+    steps, least recently saved or loaded first, until the folder holds at most the limit; never the step just
+    saved, one being compiled in the background, or files that are not steps'."""
+    import pytest
+
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE_MAX_MB", str(15000 / 2**20))
+
+    def step(stem, age):
+        files = [tmp_path / f"{stem}.bin", tmp_path / f"{stem}.functions", tmp_path / f"{stem}.log"]
+        for path, size in zip(files, (4000, 1000, 100)):
+            path.write_bytes(b"x" * size)
+            os.utime(path, (1e9 - age, 1e9 - age))
+        return files
+
+    compiling = step("compiling", age=500)  # the oldest, locked by a background compile
+    (tmp_path / "compiling.compiling").write_text("1")
+    oldest, older, recent = step("oldest", 400), step("older", 300), step("recent", 200)
+    (tmp_path / "notes.txt").write_bytes(b"n" * 50000)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: object())
+    assert compile_cache.load_artifacts(oldest[0])  # loaded: now the most recently used
+    assert compile_cache._write_whole(tmp_path / "new.bin", b"y" * 4000, "compiled artifacts")
+    gone = [path for path in [*compiling, *oldest, *older, *recent] if not path.exists()]
+    assert gone == [*older, *recent]  # 5100 + 5100 + 4000 bytes left, under 15000 once both are gone
+    assert (tmp_path / "new.bin").exists() and (tmp_path / "notes.txt").exists()
+
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv("KNOWGPT_COMPILE_CACHE_MAX_MB", bad)
+        with pytest.raises(ValueError, match="KNOWGPT_COMPILE_CACHE_MAX_MB"):
+            compile_cache.artifacts_file(model={"n_embd": 16})
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE_MAX_MB", "0")
+    assert compile_cache.cache_limit_bytes() == 0
+
+
 def test_a_missing_or_damaged_file_is_skipped(tmp_path, caplog):
     assert not compile_cache.load_artifacts(tmp_path / "absent.bin")
     damaged = tmp_path / "damaged.bin"

@@ -6,7 +6,9 @@ compiled or found there into bytes, and `load_cache_artifacts` writes such bytes
 later process on the same kind of card, with the same versions, finds them there instead of compiling again.
 The package keeps one file per model, step shape and version of the code under `compile_cache_dir()`:
 `$KNOWGPT_COMPILE_CACHE`, else `$KNOWGPT_CACHE/compiled`, else `~/.cache/hf_knowgpt/compiled`. A file that
-cannot be read or loaded is reported and skipped: it never stops a run.
+cannot be read or loaded is reported and skipped: it never stops a run. Once the folder holds more than
+`$KNOWGPT_COMPILE_CACHE_MAX_MB` (2048 by default), saving a step removes the files of the steps least recently
+saved or loaded.
 
 Those caches hold what inductor and AOTAutograd made of a traced graph, not the tracing itself: a process
 that finds everything there still has dynamo trace the step's Python bytecode, most of a warm run's
@@ -32,6 +34,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+# What one step's files are named, beside its `.bin` of artifacts: traced functions, a background compile's log.
+STEP_SUFFIXES = (".bin", ".functions", ".log")
+DEFAULT_MAX_MB = 2048
+
+
 def compile_cache_dir() -> Path:
     if "KNOWGPT_COMPILE_CACHE" in os.environ:
         return Path(os.environ["KNOWGPT_COMPILE_CACHE"])
@@ -40,7 +47,7 @@ def compile_cache_dir() -> Path:
 
 def artifacts_file(**key) -> Path:
     """The file for what the step described by `key` (JSON-serializable values: the model's config, the step's
-    shapes, the card) compiles, with torch's and Triton's versions added."""
+    shapes, the card) compiles, with torch's and Triton's versions added. Checks the folder's size limit."""
     try:
         import triton
 
@@ -48,6 +55,7 @@ def artifacts_file(**key) -> Path:
     except ImportError:
         triton_version = None
     described = json.dumps({**key, "torch": torch.__version__, "triton": triton_version}, sort_keys=True, default=str)
+    cache_limit_bytes()  # a bad limit stops the run before it trains, not when it saves the step
     return compile_cache_dir() / f"{hashlib.sha256(described.encode()).hexdigest()[:24]}.bin"
 
 
@@ -77,6 +85,51 @@ def code_digest(model) -> str:
     return digest.hexdigest()[:24]
 
 
+def cache_limit_bytes() -> int:
+    """`$KNOWGPT_COMPILE_CACHE_MAX_MB` in bytes: how much the folder of compiled steps may hold."""
+    given = os.environ.get("KNOWGPT_COMPILE_CACHE_MAX_MB", str(DEFAULT_MAX_MB))
+    try:
+        megabytes = float(given)
+    except ValueError:
+        megabytes = -1.0
+    if not megabytes >= 0:
+        raise ValueError(f"KNOWGPT_COMPILE_CACHE_MAX_MB must be a number of megabytes (0 or more), not {given!r}")
+    return int(megabytes * 2**20)
+
+
+def _mark_used(path: Path) -> None:
+    """A loaded step's file counts as recently used, so that pruning keeps it."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache: nothing to prune there either
+        pass
+
+
+def prune(folder: Path, keep: str) -> list[Path]:
+    """Remove the files of the steps least recently saved or loaded from `folder` until its steps' files hold at
+    most `cache_limit_bytes()`; never those of step `keep` (a file's stem) or of a step being compiled in the
+    background (its `.compiling` lock). Returns the files removed."""
+    limit, steps = cache_limit_bytes(), {}
+    for path in folder.iterdir():
+        if path.suffix in STEP_SUFFIXES and path.is_file():
+            steps.setdefault(path.stem, []).append(path)
+    sizes = {stem: sum(path.stat().st_size for path in files) for stem, files in steps.items()}
+    total, removed = sum(sizes.values()), []
+    last_used = {stem: max(path.stat().st_mtime for path in files) for stem, files in steps.items()}
+    for stem in sorted(steps, key=last_used.get):
+        if total <= limit:
+            break
+        if stem == keep or (folder / f"{stem}.compiling").exists():
+            continue
+        for path in steps[stem]:
+            path.unlink(missing_ok=True)  # another process may have pruned it first
+            removed.append(path)
+        total -= sizes[stem]
+    if removed:
+        logger.info("removed %d compiled-step files from %s (over %d MB)", len(removed), folder, limit >> 20)
+    return removed
+
+
 def load_artifacts(path: Path) -> bool:
     """Write the artifacts saved in `path` into the compiler's caches; whether there were any."""
     if not path.is_file():
@@ -88,6 +141,8 @@ def load_artifacts(path: Path) -> bool:
         info, problem = None, f"{type(error).__name__}: {error}"
     if problem is not None:
         logger.warning("compiled artifacts in %s not loaded (%s); compiling anew", path, problem)
+    else:
+        _mark_used(path)
     return info is not None
 
 
@@ -99,7 +154,8 @@ def compiled_anew() -> bool:
 
 
 def _write_whole(path: Path, data: bytes, what: str) -> bool:
-    """`data` to `path` through a temporary file beside it, so a reader finds the old file or the new one."""
+    """`data` to `path` through a temporary file beside it, so a reader finds the old file or the new one; then
+    the folder pruned to its limit (`prune`)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as partial:
@@ -112,6 +168,10 @@ def _write_whole(path: Path, data: bytes, what: str) -> bool:
     except OSError as error:  # a read-only home, a full disk: the run itself is done and saved
         logger.warning("%s not saved to %s (%s)", what, path, error)
         return False
+    try:
+        prune(path.parent, keep=path.stem)
+    except OSError as error:  # files removed under it by another process pruning the folder
+        logger.warning("compiled steps in %s not pruned (%s)", path.parent, error)
     return True
 
 
@@ -255,6 +315,7 @@ def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
             function.entries.clear()
         _allow_compile_workers()
         return False
+    _mark_used(path)
     return any(serialized for _, serialized in loaded)
 
 
@@ -274,12 +335,14 @@ def save_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
 __all__ = [
     "PrecompiledFunction",
     "artifacts_file",
+    "cache_limit_bytes",
     "code_digest",
     "compile_cache_dir",
     "compiled_anew",
     "functions_file",
     "load_artifacts",
     "load_functions",
+    "prune",
     "save_artifacts",
     "save_functions",
     "traced_sources",
