@@ -170,11 +170,10 @@ def main(argv=None):
         overrides[field] = int(value)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":  # as training sets them (KnowGPTTrainer)
-        from hf_knowgpt.kernels import pin_triton_ptxas
+        from hf_knowgpt.kernels import pin_triton_ptxas, use_training_matmul_settings
 
         pin_triton_ptxas()
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        use_training_matmul_settings()
     config, batches = make_batches(Path(args.data_dir), args.batches, args.seed, device, overrides, args.dropout)
     torch.manual_seed(args.seed)
     if args.checkpoint:  # trained weights (errors at initialization need not be those late in training)

@@ -23,6 +23,16 @@ def pin_triton_ptxas() -> None:
         os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
 
 
+def use_training_matmul_settings() -> None:
+    """The matrix-product settings a CUDA training run uses: fp32 products on tensor cores (TF32), and split-K
+    partial sums of bf16 products kept in fp32 (weight gradients sum over ~15k positions; bf16 partial sums lose
+    them)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def release_compile_workers() -> threading.Thread | None:
     """Shut TorchInductor's pool of compile workers down on a thread of its own, once nothing more will be
     compiled. At exit a process otherwise waits for the pool's shutdown (its atexit handler: 1.0–1.2 s of a

@@ -424,7 +424,7 @@ class KnowGPTTrainer:
         if path == "plain":
             unwrapped.set_attn_implementation("eager")
         elif device.type == "cuda":
-            from ..kernels import pin_triton_ptxas
+            from ..kernels import pin_triton_ptxas, use_training_matmul_settings
             from ..kernels.fused_attention import fused_attention_available
 
             pin_triton_ptxas()  # before any kernel is built: inductor would set it later, between builds
@@ -435,10 +435,7 @@ class KnowGPTTrainer:
 
                 # compiled steps fuse these operations themselves
                 unwrapped.transformer.fused_layers = fused_layers_available()
-            torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores
-            torch.backends.cudnn.allow_tf32 = True
-            # Weight gradients sum over ~15k positions; split-K partial sums kept in bf16 lose them.
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            use_training_matmul_settings()
         optimizer = self._make_optimizer(graphed=path == "graphed")
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: self.lr_multipliers[min(step, len(self.lr_multipliers) - 1)]
