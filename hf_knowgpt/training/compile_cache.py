@@ -113,9 +113,10 @@ def prune(folder: Path, keep: str) -> list[Path]:
     for path in folder.iterdir():
         if path.suffix in STEP_SUFFIXES and path.is_file():
             steps.setdefault(path.stem, []).append(path)
-    sizes = {stem: sum(path.stat().st_size for path in files) for stem, files in steps.items()}
+    stats = {stem: [path.stat() for path in files] for stem, files in steps.items()}
+    sizes = {stem: sum(stat.st_size for stat in of_step) for stem, of_step in stats.items()}
+    last_used = {stem: max(stat.st_mtime for stat in of_step) for stem, of_step in stats.items()}
     total, removed = sum(sizes.values()), []
-    last_used = {stem: max(path.stat().st_mtime for path in files) for stem, files in steps.items()}
     for stem in sorted(steps, key=last_used.get):
         if total <= limit:
             break
