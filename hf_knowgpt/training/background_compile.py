@@ -24,12 +24,14 @@ from pathlib import Path
 
 import torch
 
+from .compile_cache import LOCK_SUFFIX, LOG_SUFFIX
+
 logger = logging.getLogger(__name__)
 
 
 def log_file(artifacts: Path) -> Path:
     """Where the process compiling for `artifacts` writes its output (kept after it ends)."""
-    return artifacts.with_suffix(".log")
+    return artifacts.with_suffix(LOG_SUFFIX)
 
 
 def _running(pid: int) -> bool:
@@ -64,7 +66,7 @@ def start_background_compile(trainer, artifacts: Path, attn_implementation: str 
     a kernel) and saves it to `artifacts`; None where one already runs for that file. The process outlives this
     one if it must (a session of its own)."""
     artifacts.parent.mkdir(parents=True, exist_ok=True)
-    lock = artifacts.with_suffix(".compiling")
+    lock = artifacts.with_suffix(LOCK_SUFFIX)
     if not _claim(lock):
         return None
     log_path = log_file(artifacts)

@@ -34,8 +34,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-# What one step's files are named, beside its `.bin` of artifacts: traced functions, a background compile's log.
-STEP_SUFFIXES = (".bin", ".functions", ".log")
+# One step's files beside its `.bin` of artifacts: its traced functions, a background compile's log, and that
+# compile's lock while it runs (`background_compile`).
+FUNCTIONS_SUFFIX, LOG_SUFFIX, LOCK_SUFFIX = ".functions", ".log", ".compiling"
+STEP_SUFFIXES = (".bin", FUNCTIONS_SUFFIX, LOG_SUFFIX)
 DEFAULT_MAX_MB = 2048
 
 
@@ -120,7 +122,7 @@ def prune(folder: Path, keep: str) -> list[Path]:
     for stem in sorted(steps, key=last_used.get):
         if total <= limit:
             break
-        if stem == keep or (folder / f"{stem}.compiling").exists():
+        if stem == keep or (folder / f"{stem}{LOCK_SUFFIX}").exists():
             continue
         for path in steps[stem]:
             path.unlink(missing_ok=True)  # another process may have pruned it first
@@ -293,7 +295,7 @@ class PrecompiledFunction:
 
 def functions_file(artifacts: Path) -> Path:
     """Where the precompiled functions of the step whose artifacts are in `artifacts` are kept."""
-    return artifacts.with_suffix(".functions")
+    return artifacts.with_suffix(FUNCTIONS_SUFFIX)
 
 
 def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
