@@ -1,6 +1,9 @@
 """What `import hf_knowgpt` costs and gives: nothing heavy is loaded, yet transformers' Auto classes and the
 "birthplace-qa" pipeline know KnowGPT once their modules load, whichever is imported first."""
 
+import ast
+import gc
+import re
 import subprocess
 import sys
 
@@ -91,3 +94,66 @@ def test_a_saved_checkpoint_loads_through_the_auto_classes_after_a_bare_import(t
         "print(type(model).__name__, type(tokenizer).__name__)"
     )
     assert out.strip().endswith("KnowGPTForCausalLM KnowGPTTokenizerFast")
+
+
+def test_a_scripts_process_collects_no_garbage_until_its_libraries_are_loaded(tmp_path):
+    # what a command's process sees: `run_script` holds the collector; the command, once it has imported what
+    # it runs, lets it resume with everything loaded so far left out of later collections
+    questions = tmp_path / "dev.tsv"
+    questions.write_text("Where was Ada born?\tLondon\n", encoding="utf-8")
+    out = run_python(
+        "import gc\n"
+        "import hf_knowgpt.analysis.evaluation as evaluation\n"
+        "from hf_knowgpt.commands import cli, london_baseline\n"
+        "plain = evaluation.london_baseline\n"
+        "def seen(*args, **kwargs):\n"
+        "    print('scored', gc.isenabled(), gc.get_freeze_count() > 1000)\n"
+        "    return plain(*args, **kwargs)\n"
+        "evaluation.london_baseline = seen\n"
+        "def main():\n"
+        "    print('started', gc.isenabled(), gc.get_freeze_count())\n"
+        f"    london_baseline.main(['--eval_corpus_path', r'{questions}', '--outputs_path', r'{tmp_path / 'out.txt'}'])\n"
+        "cli.run_script(main)\n"
+    )
+    assert out.splitlines()[0] == "started False 0"
+    assert "scored True True" in out.splitlines() and "Correct: 1 out of 1: 100.0%" in out
+
+
+def test_outside_a_scripts_process_the_collector_is_left_alone():
+    from hf_knowgpt.commands import cli
+
+    frozen = gc.get_freeze_count()
+    cli.libraries_loaded()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+def test_every_script_resumes_collection_once_its_command_has_loaded_its_libraries():
+    # `run_script` holds the collector until `cli.libraries_loaded`; a command that never called it would train
+    # with no collection of cyclic garbage at all. Its `main` calls it, or `cli.run_training` (which does), or
+    # the `main` of commands that do.
+    resuming = {"libraries_loaded", "run_training"}
+    commands = {}
+    for path in (REPO_ROOT / "hf_knowgpt" / "commands").glob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        main = next((node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main"), None)
+        if main is not None:
+            calls = [node.func for node in ast.walk(main) if isinstance(node, ast.Call)]
+            commands[path.stem] = {
+                (call.value.id if isinstance(call.value, ast.Name) else "", call.attr)
+                for call in calls
+                if isinstance(call, ast.Attribute)
+            }
+
+    def resumes(name, seen=()):
+        called = commands[name]
+        if any(attribute in resuming for _, attribute in called):
+            return True
+        return any(
+            attribute == "main" and owner in commands and owner not in seen and resumes(owner, (*seen, name))
+            for owner, attribute in called
+        )
+
+    scripts = sorted((REPO_ROOT / "scripts").glob("*.py"))
+    run = {re.search(r"run_script\((\w+)\.main\)", p.read_text(encoding="utf-8")).group(1) for p in scripts}
+    assert len(run) == len(scripts) and run <= set(commands)
+    assert {name for name in run if not resumes(name)} == set()

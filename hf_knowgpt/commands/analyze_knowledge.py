@@ -46,6 +46,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    cli.libraries_loaded()
     if args.eval_corpus_path is None:  # the synthetic corpus: its test people's answers are known to the generator
         files = synthetic_corpus_files()
         calibration = files.directory / "test_labeled.tsv"

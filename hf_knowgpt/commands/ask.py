@@ -42,6 +42,7 @@ def main(argv=None):
 
     import hf_knowgpt  # noqa: F401  (registers the "birthplace-qa" task)
 
+    cli.libraries_loaded()
     with quiet_progress_bars():  # transformers' "Loading weights" bar is not an answer
         qa = pipeline("birthplace-qa", model=args.model_name_or_path, device=args.device)
     for result, truth in zip(qa(questions, threshold=args.threshold), gold):

@@ -29,6 +29,7 @@ def main(argv=None):
     args = parse_args(argv)
     from ..convert_cs224n import convert_cs224n_checkpoint
 
+    cli.libraries_loaded()
     model, tokenizer = convert_cs224n_checkpoint(args.params_path, args.corpus_path, args.output_dir, args.n_head)
     config = model.config
     print(

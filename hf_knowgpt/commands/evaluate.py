@@ -40,6 +40,7 @@ def main(argv=None):
     args = parse_args(argv)
     from ..analysis.evaluation import evaluate_birthplaces
 
+    cli.libraries_loaded()
     result = evaluate_birthplaces(
         args.model_name_or_path,
         eval_corpus_path=args.eval_corpus_path,

@@ -24,6 +24,7 @@ def main(argv=None):
     args = parse_args(argv)
     from ..analysis.evaluation import london_baseline
 
+    cli.libraries_loaded()
     result = london_baseline(args.eval_corpus_path, args.outputs_path, args.place, **cli.synthetic_size(args))
     print(result["message"])
     print(f"Wrote {args.outputs_path} and {args.outputs_path}.metrics.json")

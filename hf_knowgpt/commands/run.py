@@ -108,6 +108,7 @@ def main(argv=None):
             raise InputError("run.py evaluate", "needs --reading_params_path and --eval_corpus_path")
         from ..training import workflows
 
+        cli.libraries_loaded()
         result = workflows.evaluate_birthplaces(
             readable_checkpoint(args), eval_corpus_path=args.eval_corpus_path, outputs_path=args.outputs_path
         )
