@@ -59,6 +59,21 @@ def test_the_console_script_runs_the_commands_as_the_scripts_do():
     assert {line.split()[0] for line in listing.split("commands:\n")[1].splitlines()} == scripts
 
 
+
+def test_the_console_script_ends_with_its_commands_status(tmp_path):
+    # `knowgpt` as installed runs `console`, which `python -m hf_knowgpt.commands.knowgpt` runs too
+    def console(*flags):
+        command = [sys.executable, "-m", "hf_knowgpt.commands.knowgpt", *flags]
+        return subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+
+    assert console().returncode == 2 and console("nosuch").returncode == 2
+    questions = tmp_path / "dev.tsv"
+    questions.write_text("Where was Ada born?\tParis\n", encoding="utf-8")
+    scored = console("london_baseline", "--eval_corpus_path", questions, "--outputs_path", tmp_path / "out.txt")
+    assert scored.returncode == 0 and "Correct: 0 out of 1: 0.0%" in scored.stdout, scored.stderr[-2000:]
+    refused = console("london_baseline", "--eval_corpus_path", tmp_path / "missing.tsv")
+    assert refused.returncode == 2 and "missing.tsv" in refused.stderr
+
 REGISTERED = (
     "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer\n"
     "config = AutoConfig.for_model('knowgpt', n_layer=2, n_embd=16, n_head=2, vocab_size=20)\n"

@@ -473,8 +473,8 @@ def run_script(main):
         gc.disable()
         _collection_held = True
     try:
-        main_guard(main)
-        code = 0
+        returned = main_guard(main)
+        code = returned if isinstance(returned, int) else 0  # the console script's dispatcher returns a status
     except SystemExit as stop:  # an argparse or user error, an interrupted run: its status, its message
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0

@@ -43,5 +43,13 @@ def main(argv=None):
     return 0
 
 
+def console():
+    """The console script: `main` in a process that ends as soon as the command is done, as the scripts' do
+    (`cli.run_script`)."""
+    from . import cli
+
+    cli.run_script(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
