@@ -59,7 +59,6 @@ def test_the_console_script_runs_the_commands_as_the_scripts_do():
     assert {line.split()[0] for line in listing.split("commands:\n")[1].splitlines()} == scripts
 
 
-
 def test_the_console_script_ends_with_its_commands_status(tmp_path):
     # `knowgpt` as installed runs `console`, which `python -m hf_knowgpt.commands.knowgpt` runs too
     def console(*flags):
@@ -73,6 +72,7 @@ def test_the_console_script_ends_with_its_commands_status(tmp_path):
     assert scored.returncode == 0 and "Correct: 0 out of 1: 0.0%" in scored.stdout, scored.stderr[-2000:]
     refused = console("london_baseline", "--eval_corpus_path", tmp_path / "missing.tsv")
     assert refused.returncode == 2 and "missing.tsv" in refused.stderr
+
 
 REGISTERED = (
     "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer\n"
