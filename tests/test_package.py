@@ -122,15 +122,17 @@ def test_a_scripts_process_collects_no_garbage_until_its_libraries_are_loaded(tm
         "from hf_knowgpt.commands import cli, london_baseline\n"
         "plain = evaluation.london_baseline\n"
         "def seen(*args, **kwargs):\n"
-        "    print('scored', gc.isenabled(), gc.get_freeze_count() > 1000)\n"
+        "    print('scored', gc.isenabled(), gc.get_freeze_count() > frozen + 1000)\n"
         "    return plain(*args, **kwargs)\n"
         "evaluation.london_baseline = seen\n"
         "def main():\n"
-        "    print('started', gc.isenabled(), gc.get_freeze_count())\n"
+        "    global frozen\n"
+        "    frozen = gc.get_freeze_count()  # what the interpreter's start froze, if anything\n"
+        "    print('started', gc.isenabled())\n"
         f"    london_baseline.main(['--eval_corpus_path', r'{questions}', '--outputs_path', r'{tmp_path / 'out.txt'}'])\n"
         "cli.run_script(main)\n"
     )
-    assert out.splitlines()[0] == "started False 0"
+    assert out.splitlines()[0] == "started False"
     assert "scored True True" in out.splitlines() and "Correct: 1 out of 1: 100.0%" in out
 
 
