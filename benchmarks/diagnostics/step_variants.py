@@ -16,7 +16,7 @@ files of several such runs and compares the accuracy of groups of them. `--outpu
 run, and `--start_by SECONDS` starts no run more than SECONDS after the script began, for a machine lent for a
 fixed time.
 
-Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is) or 1
+Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is), 2 or 1
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
@@ -87,6 +87,7 @@ VARIANTS = {
     # "fused_attention": settings of hf_knowgpt.kernels.fused_attention, which the kernel reads at each launch
     "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
     "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
+    "splits2": {"fused_attention": {"DEFAULT_SPLITS": 2}},
     "uniforms4": {"fused_attention": {"UNIFORMS_PER_DRAW": 4}},
     "uniforms1": {"fused_attention": {"UNIFORMS_PER_DRAW": 1}},
     "correction-kernel": {"fused_attention": {"PRECOMPUTED_CORRECTION": True}},
