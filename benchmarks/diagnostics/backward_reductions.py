@@ -19,14 +19,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
+from hf_knowgpt.kernels import use_training_matmul_settings  # noqa: E402
 from hf_knowgpt.modeling_knowgpt import _RowsWithMatrixProductGradient  # noqa: E402
 
 TOKENS, WIDTH, REPLAYS = 7680, 256, 200
 
 
 def main():
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    use_training_matmul_settings()  # the products as training runs them
     rows = []
     for vocabulary in (256, 128):
         weight = torch.randn(vocabulary, WIDTH, device="cuda", requires_grad=True)
