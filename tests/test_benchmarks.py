@@ -2,6 +2,7 @@
 accounts for every second of a train.py process."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, write_cs224n_named_synthetic
+from conftest import CPU_ONLY, REPO_ROOT, write_cs224n_named_synthetic
 from cs224n_reference import GPT, Config
 
 from hf_knowgpt.utils.timeline import phase_seconds
@@ -318,3 +319,23 @@ def test_tuned_gradients_with_dropout_draws_each_ways_masks_from_the_same_seeds(
     arguments = ["--data_dir", str(data), "--batches", "2", "--ways", "compiled", "--dropout", "--model"]
     rows = tuned_gradients.main([*arguments, *(f"{field}={value}" for field, value in tiny.items())])
     assert all(difference < 1e-5 for difference in rows["compiled"].values())
+
+
+def test_the_collection_recorder_files_each_collection_under_its_phase(tmp_path):
+    """`gc_collections.py` runs a script as its own process would and reports its collections by the timeline's
+    phases: none falls in the imports (the script holds the collector there), some after them."""
+    report = tmp_path / "gc.json"
+    command = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "diagnostics" / "gc_collections.py"), "--report", str(report),
+        "scripts/train.py", "--recipe", "handout", "--n_layer", "1", "--n_embd", "32", "--n_head", "2",
+        "--pretrain_max_epochs", "1", "--no_do_finetune", "--output_dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, **CPU_ONLY})
+    assert result.returncode == 0, result.stderr[-3000:]
+    phases = {label.rsplit(" | gen", 1)[0] for label in json.loads(report.read_text())}
+    importing = {
+        "interpreter and command start-up",
+        "flags read, recipe resolved (first imports of torch and transformers)",
+    }
+    assert phases and not phases & importing and phases - {"start"}
+    assert "s in collections; written to" in result.stderr
