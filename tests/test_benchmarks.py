@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
 import bench_user_path  # noqa: E402
 import compare_accuracy  # noqa: E402
 import profile_step  # noqa: E402
+import sampled_stacks  # noqa: E402
 import step_variants  # noqa: E402
 import tuned_gradients  # noqa: E402
 
@@ -174,6 +176,25 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     options = GraphedStepper.inductor_options(tune_kernels=False)
     assert options["use_static_cuda_launcher"] is False and "coordinate_descent_tuning" not in options
     assert seen["argv"] == ["train.py", "--recipe", "quickstart", "--torch_compile"]
+
+
+def test_step_variants_can_leave_the_compiler_keys_to_the_loading(monkeypatch):
+    """`compiler-keys-when-loaded`: no stage starts the thread that computes torch's and Triton's digests."""
+    from hf_knowgpt.commands import cli
+    from hf_knowgpt.training import workflows
+
+    monkeypatch.setattr(workflows, "prefetch_compiler_keys", workflows.prefetch_compiler_keys)  # restored after
+    monkeypatch.setattr(cli, "run_script", lambda main: None)
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    started = []
+    monkeypatch.setattr(workflows, "saved_steps", lambda: True)
+    monkeypatch.setattr(workflows, "prefetch_compiler_keys", lambda: started.append(True))
+    step_variants.run_one("as-is", ["--recipe", "quickstart"])
+    workflows._prefetch_compiler_keys(types.SimpleNamespace(compile=True))
+    assert started == [True]
+    step_variants.run_one("compiler-keys-when-loaded", ["--recipe", "quickstart"])
+    workflows._prefetch_compiler_keys(types.SimpleNamespace(compile=True))
+    assert started == [True]
 
 
 def test_profile_step_describes_a_generated_kernel_with_its_bytes_and_bandwidth():
@@ -339,3 +360,29 @@ def test_the_collection_recorder_files_each_collection_under_its_phase(tmp_path)
     }
     assert phases and not phases & importing and phases - {"start"}
     assert "s in collections; written to" in result.stderr
+
+
+def test_sampled_stacks_counts_each_stack_once_toward_the_first_kind_it_matches(tmp_path, capsys):
+    """py-spy's raw lines: only stacks through `--within` count; a stack matching two kinds counts toward the one
+    named first; what matches none is "the rest"; a line that is not a stack names its line."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "main (a.py:1);_compile (b.py:2);triton_key (c.py:3) 30\n"
+        "main (a.py:1);_compile (b.py:2);_find_and_load (x:1);triton_key (c.py:3) 10\n"
+        "main (a.py:1);_compile (b.py:2);_find_and_load (x:1) 50\n"
+        "main (a.py:1);_compile (b.py:2);deserialize (d.py:4) 10\n"
+        "main (a.py:1);steps (e.py:5) 900\n\n",
+        encoding="utf-8",
+    )
+    kinds = [("digest", "^triton_key "), ("imports", "_find_and_load ")]
+    assert sampled_stacks.shares(sampled_stacks.read_stacks(raw), "_compile ", kinds) == {
+        "digest": 40,
+        "imports": 50,
+        "the rest": 10,
+    }
+    sampled_stacks.main([str(raw), "--within", "_compile ", "--kind", "imports=_find_and_load ", "--rate", "100"])
+    printed = capsys.readouterr().out
+    assert "1.00 s sampled" in printed and "imports" in printed and " 60.0%       0.60" in printed
+    raw.write_text("main (a.py:1) ten\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="line 1"):
+        sampled_stacks.read_stacks(raw)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import torch
 
@@ -278,3 +279,63 @@ def test_a_damaged_functions_file_is_skipped(tmp_path, caplog):
     damaged.write_bytes(b"not functions")
     assert not compile_cache.load_functions(damaged, [compiled])
     assert "not loaded" in caplog.text and str(damaged) in caplog.text and not compiled.entries
+
+
+def _recording_keys(monkeypatch):
+    """torch's and Triton's key functions replaced by ones that record the thread they ran on."""
+    import types
+
+    from torch._inductor import codecache
+
+    threads = {}
+
+    def key(name):
+        def compute():
+            threads[name] = threading.current_thread().name
+            return name
+
+        return compute
+
+    monkeypatch.setattr(codecache, "torch_key", key("torch"))
+    fakes = {name: types.ModuleType(name) for name in ("triton", "triton.runtime", "triton.runtime.cache")}
+    fakes["triton.runtime.cache"].triton_key = key("triton")
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(compile_cache, "_compiler_keys", None)
+    return threads
+
+
+def test_the_compiler_keys_are_computed_on_a_thread_of_their_own_once(monkeypatch):
+    threads = _recording_keys(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    compile_cache.prefetch_compiler_keys()
+    started = compile_cache._compiler_keys
+    compile_cache.wait_for_compiler_keys()
+    assert threads == {"torch": "compiler-keys", "triton": "compiler-keys"}
+    assert not started.is_alive()
+    compile_cache.prefetch_compiler_keys()  # once per process
+    assert compile_cache._compiler_keys is started
+
+
+def test_no_compiler_keys_are_computed_without_cuda(monkeypatch):
+    threads = _recording_keys(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    compile_cache.prefetch_compiler_keys()
+    compile_cache.wait_for_compiler_keys()
+    assert compile_cache._compiler_keys is None and threads == {}
+
+
+def test_a_stage_prefetches_the_keys_where_it_compiles_or_may_load_a_saved_step(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from hf_knowgpt.training import workflows
+
+    started = []
+    monkeypatch.setattr(workflows, "prefetch_compiler_keys", lambda: started.append(True))
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path))
+    for compile_setting in (False, "auto", True):
+        workflows._prefetch_compiler_keys(SimpleNamespace(compile=compile_setting))
+    assert started == [True]  # compiled; auto with nothing saved trains uncompiled
+    (tmp_path / "0123.functions").write_bytes(b"")
+    workflows._prefetch_compiler_keys(SimpleNamespace(compile="auto"))
+    assert started == [True, True]

@@ -47,8 +47,10 @@ traced by dynamo in every run, instead of compiled whole and kept (`traced-every
 `compile_cache.PrecompiledFunction`); the compiled artifacts not loaded into the compiler's caches where the
 traced step's file is there (`functions-only`: what loading them costs a warm run); inductor's compile threads
 left as they are while the step loads, so that its pool of compile workers starts
-(`compile-workers-when-loaded`, `compile_cache._compile_in_this_process`); the loss summed over all the tokens
-at once, where the model sums 256 at a time and then those sums (`loss-one-level`,
+(`compile-workers-when-loaded`, `compile_cache._compile_in_this_process`); torch's and Triton's digests, which
+inductor's and Triton's caches are keyed on, computed when the step loads instead of on a thread while the data
+and model are made ready (`compiler-keys-when-loaded`, `compile_cache.prefetch_compiler_keys`); the loss summed
+over all the tokens at once, where the model sums 256 at a time and then those sums (`loss-one-level`,
 `layers_knowgpt.LOSS_CHUNK`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
@@ -114,6 +116,7 @@ VARIANTS = {
     "traced-every-run": {"traced_every_run": True},
     "functions-only": {"functions_only": True},
     "compile-workers-when-loaded": {"compile_workers_when_loaded": True},
+    "compiler-keys-when-loaded": {"compiler_keys_when_loaded": True},
     "no-memory-reuse": {"memory_reuse": False},
     "loss-one-level": {"loss_chunk": 0},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
@@ -175,6 +178,10 @@ def run_one(variant: str, train_args: list[str]) -> None:
         from hf_knowgpt.training import compile_cache
 
         compile_cache._compile_in_this_process = lambda: None
+    if settings.get("compiler_keys_when_loaded"):  # torch's and Triton's digests computed by the loading itself
+        from hf_knowgpt.training import workflows
+
+        workflows.prefetch_compiler_keys = lambda: None
     if "loss_chunk" in settings:
         from hf_knowgpt import layers_knowgpt
 

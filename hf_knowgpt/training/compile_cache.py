@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -223,6 +224,51 @@ def _allow_compile_workers() -> None:
         _compile_threads_before_loading = None
 
 
+# The thread computing the digests inductor and Triton key their caches on (`prefetch_compiler_keys`).
+_compiler_keys: threading.Thread | None = None
+
+
+def prefetch_compiler_keys() -> None:
+    """Start computing, on a thread of its own, the digests of the installed torch and Triton that inductor and
+    Triton key their caches on (`torch_key`, `triton_key`): each process computes them once, at the first kernel
+    it loads, by reading and hashing torch's Python sources and Triton's compiler and libtriton, mostly with
+    Python's lock released. Started before the data and the model are made ready, it overlaps them;
+    `wait_for_compiler_keys` joins it before a step loads (on an H200 a warm step loaded 0.5 s sooner,
+    benchmarks/RESULTS.md). Nothing on a machine without CUDA or Triton. The modules are imported here, on the
+    calling thread, so that no import runs on two threads at once."""
+    global _compiler_keys
+    if _compiler_keys is not None or not torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor.codecache import torch_key
+        from triton.runtime.cache import triton_key
+    except ImportError:  # no Triton: nothing is compiled for a GPU
+        return
+
+    def compute():
+        try:
+            torch_key()
+            triton_key()
+        except Exception as error:  # whoever needs them computes them again, and meets the error there
+            logger.debug("compiler keys not computed ahead (%s: %s)", type(error).__name__, error)
+
+    _compiler_keys = threading.Thread(target=compute, name="compiler-keys", daemon=True)
+    _compiler_keys.start()
+
+
+def wait_for_compiler_keys() -> None:
+    """Join the thread of `prefetch_compiler_keys`, where one started: the keys' caches are not locked, so a
+    kernel loaded meanwhile would compute them a second time."""
+    if _compiler_keys is not None:
+        _compiler_keys.join()
+
+
+def saved_steps() -> bool:
+    """Whether the package's folder of compiled steps holds any (`--torch_compile auto` may load one)."""
+    folder = compile_cache_dir()
+    return folder.is_dir() and any(folder.glob(f"*{FUNCTIONS_SUFFIX}"))
+
+
 class PrecompiledFunction:
     """`function` compiled whole (no graph break) ahead of its first call, by `torch.compile(...).aot_compile`,
     so that what dynamo traced can be kept and loaded by a later process (`load`, `serialized`).
@@ -345,8 +391,11 @@ __all__ = [
     "functions_file",
     "load_artifacts",
     "load_functions",
+    "prefetch_compiler_keys",
     "prune",
+    "saved_steps",
     "save_artifacts",
     "save_functions",
     "traced_sources",
+    "wait_for_compiler_keys",
 ]

@@ -34,6 +34,7 @@ from .compile_cache import (
     load_functions,
     save_artifacts,
     save_functions,
+    wait_for_compiler_keys,
 )
 from .data import TrainingBatch, packed_size, packed_token_index
 
@@ -320,6 +321,7 @@ class GraphedStepper:
 
     def _compile(self, options):
         """The step's three parts compiled, each whole, from what an earlier process saved where it did."""
+        wait_for_compiler_keys()  # computed while the data and model were made ready (`prefetch_compiler_keys`)
         load_artifacts(self.artifacts)  # back into the compiler's caches, where these are empty
         # Packed, only the token count varies (one graph for every bucket): the token index is compiled with its
         # size a symbol. `dynamic=True` would make every float attribute symbolic too (LayerNorm eps, dropout p,

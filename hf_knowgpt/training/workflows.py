@@ -35,6 +35,7 @@ from ..utils import timeline
 from ..utils.checkpoints import list_checkpoints, looks_like_hub_id, write_json_atomic
 from ..utils.errors import InputError
 from ..utils.model_card import describe_device, read_card_facts, write_model_card
+from .compile_cache import prefetch_compiler_keys, saved_steps
 from .data import FinetuningData, MixedData, PretrainingData, VariantRows
 from .run_config import RunConfig, plan_finetuning, plan_pretraining, qualify
 from .trainer import KnowGPTTrainer, make_accelerator
@@ -164,6 +165,13 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
     return model, metrics
 
 
+def _prefetch_compiler_keys(args) -> None:
+    """A stage that loads or compiles its step has the compiler's keys computed while its data and model are
+    made ready (`compile_cache.prefetch_compiler_keys`); with `--torch_compile auto`, where a step is saved."""
+    if args.compile is True or (args.compile == "auto" and saved_steps()):
+        prefetch_compiler_keys()
+
+
 def _birthplace_records(path):
     records = read_birthplaces(path)
     if any(record.answer is None for record in records):
@@ -273,6 +281,7 @@ def run_pretraining(
     """The pretraining stage of a resolved run: span corruption on `files.corpus` (and, with mixed
     training, the questions of `files.train` in every epoch). Returns (model, tokenizer, metrics)."""
     args = config.pretrain
+    _prefetch_compiler_keys(args)
     documents = read_corpus(files.corpus)
     tokenizer = tokenizer or corpus_tokenizer(files.corpus)
     model = model or new_model(tokenizer, config.model, args.seed)
@@ -310,6 +319,7 @@ def run_finetuning(
     pretrained in this process), from `model_name_or_path`, or from scratch with the vocabulary of
     `files.corpus`. Returns (model, tokenizer, metrics)."""
     args = config.finetune
+    _prefetch_compiler_keys(args)
     base_facts = (
         read_card_facts(model_name_or_path) if model_name_or_path and Path(model_name_or_path).is_dir() else None
     )
