@@ -37,6 +37,11 @@ def _backward(model, input_ids, aside=None, **loss_options):
         aside.join()
 
 
+def _assert_same_gradients(plain, attached, rtol=1e-6, atol=1e-7):
+    for (name, expected), actual in zip(plain.named_parameters(), attached.parameters()):
+        torch.testing.assert_close(actual.grad, expected.grad, rtol=rtol, atol=atol, msg=name)
+
+
 def _input_ids(config, seed=0):
     return torch.randint(0, config.vocab_size, (3, config.block_size), generator=torch.Generator().manual_seed(seed))
 
@@ -48,8 +53,7 @@ def test_gradients_aside_are_autograds_in_fp32(attention_type):
     input_ids = _input_ids(plain.config)
     _backward(plain, input_ids)
     _backward(attached, input_ids, aside)
-    for (name, expected), actual in zip(plain.named_parameters(), attached.parameters()):
-        torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-6, atol=1e-7, msg=name)
+    _assert_same_gradients(plain, attached)
     aside.detach()
 
 
@@ -87,8 +91,7 @@ def test_a_layer_run_twice_in_one_step_adds_its_gradients():
     input_ids = _input_ids(plain.config)
     _backward(plain, input_ids, repeats=2)
     _backward(attached, input_ids, aside, repeats=2)
-    for (name, expected), actual in zip(plain.named_parameters(), attached.parameters()):
-        torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-6, atol=1e-7, msg=name)
+    _assert_same_gradients(plain, attached)
 
 
 def test_models_are_numbered_from_zero_and_detached_models_run_plain():
@@ -119,8 +122,7 @@ def test_compiled_with_the_ops_the_gradients_are_the_eager_ones():
     compiled = torch.compile(_loss, fullgraph=True, options=INDUCTOR_OPTIONS)
     compiled(attached, input_ids).backward()
     aside.join()
-    for (name, expected), actual in zip(plain.named_parameters(), attached.parameters()):
-        torch.testing.assert_close(actual.grad, expected.grad, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_same_gradients(plain, attached, rtol=1e-5, atol=1e-6)
     aside.detach()
 
 

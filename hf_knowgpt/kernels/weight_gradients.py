@@ -139,6 +139,8 @@ class WeightGradientsAside:
             for module in model.modules()
             if type(module) is nn.Linear and module is not output and module.bias is not None
         ]
+        # made here, not while a graph is captured; None on a CPU
+        self.stream = _side_stream(self.layers[0].weight.device) if self.layers else None
 
     @classmethod
     def attach(cls, model: nn.Module) -> "WeightGradientsAside":
@@ -147,15 +149,12 @@ class WeightGradientsAside:
         _attached[number] = aside
         for slot, layer in enumerate(aside.layers):
             layer.gradient_slot = (number, slot)
-            _side_stream(layer.weight.device)  # made here, not while a graph is captured
         return aside
 
     def join(self) -> None:
         """The current stream waits for every weight gradient started so far; their inputs are let go."""
-        current = torch.cuda.current_stream() if torch.cuda.is_available() else None
-        for stream in _streams.values():
-            if stream.device == current.device:
-                current.wait_stream(stream)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         _held.clear()
 
     def detach(self) -> None:
