@@ -12,6 +12,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 
 from ..options import ATTENTION_KERNEL_DTYPES, ATTENTION_TYPES, GRADIENT_REDUCE_DTYPES, TRAINING_PATHS
 from ..training.recipes import RECIPES
@@ -424,6 +425,12 @@ def add_debug_argument(parser):
     )
 
 
+# How long a process other than the first waits before it exits on a user error. torchrun ends the others as soon
+# as one process fails, so one that exited first could cut the first off before it reported the error (seen on
+# two CPU processes under load). The launcher ends the wait once the first process has exited.
+REPORTING_WAIT_SECONDS = 30
+
+
 def main_guard(main):
     """Run a script's `main`: an error in what the user gave (`errors.UserError`) becomes one line on stderr,
     `error: <where>: <what is wrong> (<what to do>)`, printed by the first process only, and exit status 2;
@@ -438,6 +445,8 @@ def main_guard(main):
             raise
         if is_main_process():
             print(f"error: {error}", file=sys.stderr, flush=True)
+        else:  # the launcher stops every process once one has failed: the first must get to print its line
+            time.sleep(REPORTING_WAIT_SECONDS)
         raise SystemExit(2) from None
 
 
