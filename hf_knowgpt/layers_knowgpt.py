@@ -1,6 +1,5 @@
 """Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
-linear layers of one input run as one matrix product (`project`, `linear`), and the causal-LM loss
-(`causal_lm_loss`)."""
+linear layers of one input run as one matrix product (`project`), and the causal-LM loss (`causal_lm_loss`)."""
 
 import torch
 from torch import nn
@@ -37,8 +36,7 @@ def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tenso
     Plain ones run as one product of their concatenated weights (one kernel instead of several, forward and
     backward, and one `place`); layers that are replaced or hooked run as the modules they are: adapters,
     and accelerate's offloading (`device_map`), which swaps a layer's `forward` for one that first brings its
-    weights in. Plain layers that a training step numbered (`gradient_slot`) take their weight gradients on a
-    stream of their own (`hf_knowgpt.kernels.weight_gradients`)."""
+    weights in."""
     if place is None:  # not `place or …`: torch 2.11's dynamo cannot take the truth of a bound method
         place = _unchanged
     plain = all(
@@ -49,40 +47,10 @@ def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tenso
     )
     if not plain:
         return [place(layer(hidden_states)) for layer in layers]
-    if len(layers) == 1:
-        weight, bias = layers[0].weight, layers[0].bias
-    else:
-        weight = torch.cat([layer.weight for layer in layers])
-        bias = torch.cat([layer.bias for layer in layers])
-    slots = [getattr(layer, "gradient_slot", None) for layer in layers]  # (model, layer) numbers
-    if None in slots or len({model for model, _ in slots}) > 1:
-        projected = place(F.linear(hidden_states, weight, bias))
-    else:
-        projected = place(_linear_with_gradients_aside(hidden_states, weight, bias, slots))
-    if len(layers) == 1:
-        return [projected]
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = torch.cat([layer.bias for layer in layers])
+    projected = place(F.linear(hidden_states, weight, bias))
     return list(projected.split([layer.out_features for layer in layers], dim=-1))
-
-
-def linear(layer: nn.Linear, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`layer(hidden_states)`, through `project` (so a training step may take its weight gradients aside)."""
-    return project(hidden_states, (layer,))[0]
-
-
-def _linear_with_gradients_aside(hidden_states, weight, bias, slots: list[tuple[int, int]]):
-    """`F.linear` through the package's op that computes the weight gradients aside, cast as autocast would
-    (autocast does not cast a custom op's inputs). Only the package's training step numbers layers; the import is
-    inside try, so that a checkpoint's copy of this file loaded with `trust_remote_code` does not require it."""
-    try:
-        from hf_knowgpt.kernels.weight_gradients import linear as linear_aside
-    except ModuleNotFoundError as missing:
-        raise ModuleNotFoundError("numbered linear layers (gradient_slot) need the hf_knowgpt package") from missing
-
-    device_type = hidden_states.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden_states, weight, bias = hidden_states.to(dtype), weight.to(dtype), bias.to(dtype)
-    return linear_aside(hidden_states, weight, bias, slots[0][0], [layer for _, layer in slots])
 
 
 # Tokens per partial sum of the loss; 0 sums them all at once.
@@ -107,4 +75,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = ["KnowGPTDropout", "causal_lm_loss", "linear", "project"]
+__all__ = ["KnowGPTDropout", "causal_lm_loss", "project"]

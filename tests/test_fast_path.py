@@ -468,37 +468,6 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tm
         assert torch.allclose(a, b, atol=1e-5), name
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and graphs need a CUDA device")
-@pytest.mark.parametrize("compiled", [False, True])
-def test_weight_gradients_on_their_own_stream_train_as_in_the_backward_pass(
-    pretraining_data, tmp_path, monkeypatch, compiled
-):
-    """fp32, graphed: the steps with the layers' weight gradients on a side stream end on the parameters of the
-    same steps with every gradient in the backward pass (a gradient read before the side stream wrote it, or an
-    input it read overwritten, would move them)."""
-    tokenizer, data = pretraining_data
-    reference = fresh_model(len(tokenizer)).cuda()
-    parameters = {}
-    for aside in (False, True):
-        monkeypatch.setattr(GraphedStepper, "WEIGHT_GRADIENTS_ASIDE", aside)
-        model = copy.deepcopy(reference)
-        args = TrainingArguments(output_dir=str(tmp_path), max_epochs=2, batch_size=16, training_path="graphed")
-        trainer = KnowGPTTrainer(model, data, args)
-        trainer.data.to("cuda")
-        trainer.optimizer = trainer._make_optimizer(graphed=True)
-        stepper = GraphedStepper(trainer, compile_model=compiled, bucket=64)
-        assert (stepper.weight_gradients is not None) == aside
-        stepper.run(0, stepper.steps_per_epoch + 2, lambda: False)
-        torch.cuda.synchronize()
-        parameters[aside] = [parameter.detach().clone() for parameter in model.parameters()]
-        stepper.close()
-        assert not any(hasattr(module, "gradient_slot") for module in model.modules())
-    names = [name for name, _ in reference.named_parameters()]
-    for name, inline, aside in zip(names, parameters[False], parameters[True]):
-        assert torch.allclose(inline, aside, atol=1e-5), name
-    assert not all(torch.equal(a, b) for a, b in zip(parameters[True], reference.parameters()))  # it trained
-
-
 @pytest.mark.skipif(not fused_attention_available(), reason="the fused kernel needs Triton and a CUDA device")
 @pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer", "perceiver"])
 def test_compiled_bf16_steps_follow_the_uncompiled_ones(pretraining_data, tmp_path, attention_type):

@@ -53,10 +53,7 @@ and model are made ready (`compiler-keys-when-loaded`, `compile_cache.prefetch_c
 over all the tokens at once, where the model sums 256 at a time and then those sums (`loss-one-level`,
 `layers_knowgpt.LOSS_CHUNK`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
-(`eager-batch-clip`); the linear layers' weight and bias gradients on a stream of their own or in the backward
-pass's order (`weight-gradients-aside`, `weight-gradients-inline`, `GraphedStepper.WEIGHT_GRADIENTS_ASIDE`;
-`weight-gradients-inline-no-reuse` adds the inductor options the side stream needs,
-`weight_gradients.INDUCTOR_OPTIONS`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
+(`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
 
     python benchmarks/diagnostics/step_variants.py --processes 4 --variants as-is,no-combo-kernels --seeds 0,1 -- \\
@@ -125,13 +122,6 @@ VARIANTS = {
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
-    "weight-gradients-aside": {"weight_gradients_aside": True},
-    "weight-gradients-inline": {"weight_gradients_aside": False},
-    # inline, with the inductor options the side stream needs: what those options alone cost
-    "weight-gradients-inline-no-reuse": {
-        "weight_gradients_aside": False,
-        "inductor": {"allow_buffer_reuse": False, "inplace_buffers": False},
-    },
 }
 
 
@@ -169,9 +159,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
         setattr(fused_attention, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
-    GraphedStepper.WEIGHT_GRADIENTS_ASIDE = settings.get(
-        "weight_gradients_aside", GraphedStepper.WEIGHT_GRADIENTS_ASIDE
-    )
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     if settings.get("traced_every_run"):  # every part compiled the default way: dynamo traces it in every run
         from hf_knowgpt.training import compile_cache

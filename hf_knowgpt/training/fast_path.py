@@ -242,10 +242,6 @@ class GraphedStepper:
     # the tuned configurations, for 0.3–0.6 s more of loading (benchmarks/RESULTS.md, "Coordinate-descent
     # tuning kept between runs"). Not the default: a warm handout run gains nothing, the first takes ~50 s more.
     TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
-    # The linear layers' weight and bias gradients computed on a stream of their own, beside the backward pass
-    # (`hf_knowgpt.kernels.weight_gradients`; a compiled step then also takes that module's INDUCTOR_OPTIONS).
-    # Off until measured side by side on a GPU (step_variants.py's weight-gradients-aside variant).
-    WEIGHT_GRADIENTS_ASIDE = False
 
     def __init__(
         self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
@@ -257,13 +253,7 @@ class GraphedStepper:
         self.packed = args.packed if packed is None else packed
         self.bucket = bucket or self.BUCKET
         model = accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False)  # autocast is done here
-        self.weight_gradients = None
-        if device.type == "cuda" and self.WEIGHT_GRADIENTS_ASIDE:
-            from ..kernels.weight_gradients import WeightGradientsAside
-
-            self.weight_gradients = WeightGradientsAside.attach(model)
-        aside = self.weight_gradients is not None
-        options = self.inductor_options(args.tune_kernels, aside) if device.type == "cuda" else None
+        options = self.inductor_options(args.tune_kernels) if device.type == "cuda" else None
         self.rank, self.world = accelerator.process_index, accelerator.num_processes
         self.rows = -(-args.batch_size // self.world)  # this process's slice of a full batch, at most
         self.seq_len = trainer.data.static_length
@@ -272,7 +262,7 @@ class GraphedStepper:
         described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # any checkpoint
         self.artifacts = artifacts_file(
             model=described, attention=model.config._attn_implementation, code=code_digest(model),
-            fused_layers=bool(getattr(model.transformer, "fused_layers", False)), weight_gradients_aside=aside,
+            fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
             packed=self.packed, seq_len=self.seq_len, rows=self.rows,
             bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
@@ -325,14 +315,9 @@ class GraphedStepper:
             self.load_seconds = time.perf_counter() - started
 
     @classmethod
-    def inductor_options(cls, tune_kernels: bool = False, weight_gradients_aside: bool = False) -> dict:
+    def inductor_options(cls, tune_kernels: bool = False) -> dict:
         """What the step compiles with on a GPU; part of its artifacts file's key."""
-        options = {**cls.INDUCTOR_OPTIONS, **(cls.TUNING_OPTIONS if tune_kernels else {})}
-        if weight_gradients_aside:
-            from ..kernels.weight_gradients import INDUCTOR_OPTIONS
-
-            options.update(INDUCTOR_OPTIONS)
-        return known_inductor_options(options)
+        return known_inductor_options({**cls.INDUCTOR_OPTIONS, **(cls.TUNING_OPTIONS if tune_kernels else {})})
 
     def _compile(self, options):
         """The step's three parts compiled, each whole, from what an earlier process saved where it did."""
@@ -386,8 +371,6 @@ class GraphedStepper:
             trained_targets = (labels[:, 1:] != -100).sum()
         loss = self.model_loss(input_ids, labels, token_index, trained_targets, self.autocast_dtype)
         loss.backward()
-        if self.weight_gradients is not None:
-            self.weight_gradients.join()
         if self.world > 1:
             self._sum_gradients_over_processes()
         (self.compiled_clip_and_rate or self._clip_and_rate)()
@@ -520,11 +503,6 @@ class GraphedStepper:
         self.loss_sum.zero_()
         self.loss_count = 0
         return mean
-
-    def close(self) -> None:
-        """The model's layers back to plain products (`weight_gradients`), once this stepper has trained."""
-        if self.weight_gradients is not None:
-            self.weight_gradients.detach()
 
     def save_compiled(self) -> None:
         """Keep what this run compiled for later processes (`compile_cache`); the first process only."""

@@ -507,7 +507,6 @@ class KnowGPTTrainer:
             torch.cuda.synchronize()
         if isinstance(stepper, GraphedStepper):
             stepper.save_compiled()
-            stepper.close()
         losses.flush(wait=True)
         progress.close()
         seconds = time.perf_counter() - started
