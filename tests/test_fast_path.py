@@ -327,9 +327,11 @@ def test_the_compiled_step_builds_the_same_batches(pretraining_data, tmp_path, k
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
 
 
-def test_the_compiled_step_clips_and_sets_the_rate_as_the_uncompiled_one(pretraining_data, tmp_path):
+def test_the_compiled_step_clips_and_sets_the_rate_as_the_uncompiled_one(pretraining_data, tmp_path, monkeypatch):
     """Compiled, the step's gradient clipping and learning rate run through torch.compile: the same gradients
-    and rate as the uncompiled function, at every step of the schedule."""
+    and rate as the uncompiled function, at every step of the schedule. (On a GPU the multi-tensor update clips
+    and sets the rate itself; this is the path it replaces.)"""
+    monkeypatch.setattr(GraphedStepper, "MULTI_TENSOR_UPDATE", False)
     tokenizer, data = pretraining_data
     trainer = make_trainer(tmp_path, data, fresh_model(len(tokenizer)), graphed=True)
     stepper = GraphedStepper(trainer, compile_model=True, bucket=64)
@@ -466,6 +468,45 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tm
     assert abs(graphed.take_loss().item() - uncaptured.take_loss().item()) < 1e-4
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+@pytest.mark.skipif(not fused_attention_available(), reason="the multi-tensor update needs Triton and a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
+def test_captured_steps_update_with_the_multi_tensor_kernels_as_with_torchs_adamw(
+    pretraining_data, tmp_path, monkeypatch, compiled
+):
+    """The captured step's update in four launches (`kernels.multi_tensor_adamw`) against the clipping and
+    torch's fused AdamW it replaces: fp32, no dropout, the same parameters and optimizer state after steps over
+    an epoch boundary and several graphs, and the same learning rate written into the optimizer."""
+    tokenizer, data = pretraining_data
+    model = fresh_model(len(tokenizer)).cuda()
+    reference = copy.deepcopy(model)
+    steppers = []
+    for module, multi_tensor in ((model, True), (reference, False)):
+        monkeypatch.setattr(GraphedStepper, "MULTI_TENSOR_UPDATE", multi_tensor)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / str(multi_tensor)), max_epochs=3, batch_size=16, training_path="graphed",
+            grad_norm_clip=0.5, compile=compiled,
+        )  # fmt: skip
+        trainer = KnowGPTTrainer(module, data, args)
+        trainer.data.to("cuda")
+        trainer.optimizer = trainer._make_optimizer(graphed=True)
+        steppers.append(GraphedStepper(trainer, compile_model=compiled, packed=True, bucket=64))
+    kernels, torch_adamw = steppers
+    assert kernels.update is not None and torch_adamw.update is None
+    steps = 2 * kernels.steps_per_epoch + 1
+    for stepper in steppers:
+        stepper.run(0, steps, lambda: False)
+    torch.cuda.synchronize()
+    assert len(kernels.graphs) >= 2, "several token counts: several graphs, each with its own gradients"
+    assert kernels.learning_rate.item() == pytest.approx(torch_adamw.learning_rate.item(), rel=1e-6)
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+        state, reference_state = kernels.optimizer.state[a], torch_adamw.optimizer.state[b]
+        assert float(state["step"]) == float(reference_state["step"]) == steps, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = reference_state[key].abs().max().item()
+            torch.testing.assert_close(state[key], reference_state[key], rtol=1e-3, atol=1e-4 * scale)
 
 
 @pytest.mark.skipif(not fused_attention_available(), reason="the fused kernel needs Triton and a CUDA device")

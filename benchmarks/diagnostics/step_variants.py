@@ -24,7 +24,9 @@ recomputed by every backward program (`correction-kernel`, `correction-inline`,
 (`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps
 before every graph's capture, not only the first's (`warmup3-every-graph`,
-`GraphedStepper.LATER_WARMUP_STEPS`); inductor options added to the graphed step's or taken from them
+`GraphedStepper.LATER_WARMUP_STEPS`); the update by torch, the clipping compiled with the step and then fused
+AdamW, instead of the multi-tensor kernels (`torch-adamw`, `GraphedStepper.MULTI_TENSOR_UPDATE`; the `eager-clip`
+variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added to the graphed step's or taken from them
 (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
 compute-bound, not every one whose sizes are not multiples of 8 such as the vocabulary's 257 logits; `pdl`
 launches each inductor kernel while the one before it ends (programmatic dependent launch, Hopper and later);
@@ -122,6 +124,8 @@ VARIANTS = {
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
+    # the update by torch: the clipping compiled with the step, then fused AdamW (GraphedStepper.MULTI_TENSOR_UPDATE)
+    "torch-adamw": {"multi_tensor_update": False},
 }
 
 
@@ -160,6 +164,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
+    GraphedStepper.MULTI_TENSOR_UPDATE = settings.get("multi_tensor_update", GraphedStepper.MULTI_TENSOR_UPDATE)
     if settings.get("traced_every_run"):  # every part compiled the default way: dynamo traces it in every run
         from hf_knowgpt.training import compile_cache
 

@@ -242,6 +242,10 @@ class GraphedStepper:
     # the tuned configurations, for 0.3–0.6 s more of loading (benchmarks/RESULTS.md, "Coordinate-descent
     # tuning kept between runs"). Not the default: a warm handout run gains nothing, the first takes ~50 s more.
     TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
+    # The update (clipping, the step's learning rate, AdamW) in four launches for all parameters
+    # (`kernels.multi_tensor_adamw`) where it applies (one process, torch's AdamW as the trainer makes it); else
+    # the clipping compiled with the step and torch's fused AdamW, whose two launches reach about 60 blocks.
+    MULTI_TENSOR_UPDATE = True
 
     def __init__(
         self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
@@ -258,17 +262,6 @@ class GraphedStepper:
         self.rows = -(-args.batch_size // self.world)  # this process's slice of a full batch, at most
         self.seq_len = trainer.data.static_length
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
-        # The package's file of what an earlier process compiled for this model and these step shapes.
-        described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # any checkpoint
-        self.artifacts = artifacts_file(
-            model=described, attention=model.config._attn_implementation, code=code_digest(model),
-            fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
-            packed=self.packed, seq_len=self.seq_len, rows=self.rows,
-            bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
-            device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        )  # fmt: skip
-        if compile_model == "auto":  # compile where an earlier run saved what it compiled (several processes: always)
-            compile_model = self.world > 1 or self.artifacts.is_file()
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.learning_rates = torch.tensor(
@@ -277,6 +270,19 @@ class GraphedStepper:
         self.learning_rate = self.optimizer.param_groups[0]["lr"]
         if not torch.is_tensor(self.learning_rate):
             raise ValueError("the graphed path needs an optimizer whose learning rate is a device tensor")
+        self.update = self._multi_tensor_update(args.grad_norm_clip)
+        # The package's file of what an earlier process compiled for this model and these step shapes.
+        described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # any checkpoint
+        self.artifacts = artifacts_file(
+            model=described, attention=model.config._attn_implementation, code=code_digest(model),
+            fused_layers=bool(getattr(model.transformer, "fused_layers", False)),
+            packed=self.packed, seq_len=self.seq_len, rows=self.rows,
+            bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            update="multi-tensor" if self.update else "torch",
+        )  # fmt: skip
+        if compile_model == "auto":  # compile where an earlier run saved what it compiled (several processes: always)
+            compile_model = self.world > 1 or self.artifacts.is_file()
         self.step_counter = torch.zeros((), dtype=torch.long, device=device)
         self.loss_sum = torch.zeros((), device=device)
         self.loss_count = 0
@@ -314,6 +320,16 @@ class GraphedStepper:
             self._compile(options)
             self.load_seconds = time.perf_counter() - started
 
+    def _multi_tensor_update(self, max_norm):
+        """The update in four launches (`MULTI_TENSOR_UPDATE`), where it applies; None where it does not."""
+        if not self.MULTI_TENSOR_UPDATE or self.world > 1 or self.device.type != "cuda":
+            return None
+        from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies
+
+        if not multi_tensor_adamw_applies(self.optimizer, self.parameters):
+            return None
+        return MultiTensorAdamW(self.optimizer, self.parameters, max_norm, self.learning_rates, self.learning_rate)
+
     @classmethod
     def inductor_options(cls, tune_kernels: bool = False) -> dict:
         """What the step compiles with on a GPU; part of its artifacts file's key."""
@@ -342,10 +358,12 @@ class GraphedStepper:
             )
             self.compiled_device_batch = functools.partial(compiled_device_batch, data)
             self.precompiled.append(compiled_device_batch)
-        # Likewise the clipping (a norm per parameter, their norm, a scale per parameter) and the step's rate.
-        compiled_clip_and_rate = PrecompiledFunction(clip_and_set_rate, "clip", dynamic=False, options=options)
-        self.compiled_clip_and_rate = functools.partial(compiled_clip_and_rate, *self._clip_and_rate_arguments())
-        self.precompiled.append(compiled_clip_and_rate)
+        # Likewise the clipping (a norm per parameter, their norm, a scale per parameter) and the step's rate, where
+        # the multi-tensor update does not do them itself.
+        if self.update is None:
+            compiled_clip_and_rate = PrecompiledFunction(clip_and_set_rate, "clip", dynamic=False, options=options)
+            self.compiled_clip_and_rate = functools.partial(compiled_clip_and_rate, *self._clip_and_rate_arguments())
+            self.precompiled.append(compiled_clip_and_rate)
         load_functions(functions_file(self.artifacts), self.precompiled)
 
     # -- what a step computes (captured; no host synchronization inside) -----------------------------------------
@@ -371,10 +389,13 @@ class GraphedStepper:
             trained_targets = (labels[:, 1:] != -100).sum()
         loss = self.model_loss(input_ids, labels, token_index, trained_targets, self.autocast_dtype)
         loss.backward()
-        if self.world > 1:
-            self._sum_gradients_over_processes()
-        (self.compiled_clip_and_rate or self._clip_and_rate)()
-        self.optimizer.step()
+        if self.update is not None:
+            self.update.step(self.step_counter)
+        else:
+            if self.world > 1:
+                self._sum_gradients_over_processes()
+            (self.compiled_clip_and_rate or self._clip_and_rate)()
+            self.optimizer.step()
         # Each process's loss is its share of the batch's mean; the log averages over processes.
         self.loss_sum.add_(loss.detach(), alpha=self.world)
         self.step_counter.add_(1)
