@@ -500,13 +500,22 @@ def test_captured_steps_update_with_the_multi_tensor_kernels_as_with_torchs_adam
     torch.cuda.synchronize()
     assert len(kernels.graphs) >= 2, "several token counts: several graphs, each with its own gradients"
     assert kernels.learning_rate.item() == pytest.approx(torch_adamw.learning_rate.item(), rel=1e-6)
+    # The moments are judged against each moment's largest value over the model: some gradients are 0 up to
+    # rounding (the attention keys' bias: softmax ignores a constant added to every score), and their moments
+    # are rounding noise in either way (seen on an H200: 1e-12, with every parameter equal).
+    scales = {
+        key: max(torch_adamw.optimizer.state[p][key].abs().max().item() for p in reference.parameters())
+        for key in ("exp_avg", "exp_avg_sq")
+    }
     for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
         state, reference_state = kernels.optimizer.state[a], torch_adamw.optimizer.state[b]
         assert float(state["step"]) == float(reference_state["step"]) == steps, name
-        for key in ("exp_avg", "exp_avg_sq"):
-            scale = reference_state[key].abs().max().item()
-            torch.testing.assert_close(state[key], reference_state[key], rtol=1e-3, atol=1e-4 * scale)
+        for key, scale in scales.items():
+            torch.testing.assert_close(
+                state[key], reference_state[key], rtol=1e-3, atol=1e-4 * scale,
+                msg=lambda text, name=name, key=key: f"{name} {key}: {text}",
+            )  # fmt: skip
 
 
 @pytest.mark.skipif(not fused_attention_available(), reason="the fused kernel needs Triton and a CUDA device")
