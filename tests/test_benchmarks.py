@@ -299,6 +299,20 @@ def test_the_one_level_loss_variant_sums_every_token_at_once(monkeypatch):
     torch.testing.assert_close(summed, torch.nn.functional.cross_entropy(logits, targets))
 
 
+def test_the_torch_adamw_variant_steps_with_the_clipping_and_torchs_fused_adamw(monkeypatch):
+    """`torch-adamw` runs the whole command with the update the multi-tensor kernels replaced, to be timed
+    beside them; `as-is` leaves the kernels on."""
+    from hf_knowgpt.training.fast_path import GraphedStepper
+
+    monkeypatch.setattr(GraphedStepper, "MULTI_TENSOR_UPDATE", GraphedStepper.MULTI_TENSOR_UPDATE)  # restored after
+    monkeypatch.setattr("hf_knowgpt.commands.cli.run_script", lambda main: None)
+    monkeypatch.setattr(sys, "argv", sys.argv)
+    step_variants.run_one("as-is", ["--recipe", "quickstart"])
+    assert GraphedStepper.MULTI_TENSOR_UPDATE is True
+    step_variants.run_one("torch-adamw", ["--recipe", "quickstart"])
+    assert GraphedStepper.MULTI_TENSOR_UPDATE is False
+
+
 def test_tuned_gradients_measures_each_way_against_the_float64_step(tmp_path, capsys):
     """The diagnostic's comparison: float64 against itself is exact, bf16 autocast is off by about bf16's
     precision in every group, and a way it does not know is refused."""

@@ -15,7 +15,11 @@ from conftest import KERNEL_DEVICE as DEVICE
 from conftest import KERNEL_SKIP, needs_kernel
 
 from hf_knowgpt.kernels import multi_tensor_adamw
-from hf_knowgpt.kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies
+from hf_knowgpt.kernels.multi_tensor_adamw import (
+    MultiTensorAdamW,
+    multi_tensor_adamw_applies,
+    multi_tensor_adamw_pays,
+)
 
 # Shapes that cross the update's and the norm's block boundaries, and tensors smaller than a block.
 SHAPES = [(257, 32), (32,), (3, 5), (2500,), (7,)]
@@ -205,3 +209,11 @@ def test_applies_only_to_the_optimizers_it_computes(monkeypatch):
     assert not multi_tensor_adamw_applies(make_optimizer(half, capturable_rate=True), half)
     monkeypatch.setattr(multi_tensor_adamw, "triton", None)
     assert not multi_tensor_adamw_applies(make_optimizer(parameters, capturable_rate=True), parameters)
+
+
+def test_the_kernels_are_chosen_only_where_torchs_chunks_leave_multiprocessors_idle():
+    """An H200's 132 multiprocessors: the handout model (3.3M parameters, about 51 of torch's chunks) takes the
+    kernels, the 51M-parameter model that bench_optimizer_step.py found slower with them does not."""
+    assert multi_tensor_adamw_pays(3_323_904, 132)
+    assert not multi_tensor_adamw_pays(51_044_352, 132)
+    assert multi_tensor_adamw_pays(132 * 65536 - 1, 132) and not multi_tensor_adamw_pays(132 * 65536, 132)

@@ -243,8 +243,10 @@ class GraphedStepper:
     # tuning kept between runs"). Not the default: a warm handout run gains nothing, the first takes ~50 s more.
     TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
     # The update (clipping, the step's learning rate, AdamW) in four launches for all parameters
-    # (`kernels.multi_tensor_adamw`) where it applies (one process, torch's AdamW as the trainer makes it); else
-    # the clipping compiled with the step and torch's fused AdamW, whose two launches reach about 60 blocks.
+    # (`kernels.multi_tensor_adamw`) where it applies (one process, torch's AdamW as the trainer makes it) and pays
+    # (a model small enough that torch's fused AdamW leaves multiprocessors idle: the handout's 3.3M parameters
+    # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
+    # The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s (H200, benchmarks/RESULTS.md).
     MULTI_TENSOR_UPDATE = True
 
     def __init__(
@@ -324,9 +326,14 @@ class GraphedStepper:
         """The update in four launches (`MULTI_TENSOR_UPDATE`), where it applies; None where it does not."""
         if not self.MULTI_TENSOR_UPDATE or self.world > 1 or self.device.type != "cuda":
             return None
-        from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies
+        from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies, multi_tensor_adamw_pays
 
-        if not multi_tensor_adamw_applies(self.optimizer, self.parameters):
+        multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count
+        elements = sum(p.numel() for p in self.parameters)
+        if not (
+            multi_tensor_adamw_applies(self.optimizer, self.parameters)
+            and multi_tensor_adamw_pays(elements, multiprocessors)
+        ):
             return None
         return MultiTensorAdamW(self.optimizer, self.parameters, max_norm, self.learning_rates, self.learning_rate)
 
