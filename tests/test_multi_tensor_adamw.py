@@ -50,9 +50,14 @@ def gradients(step, scale=1.0):
     return [scale * torch.randn(shape, generator=generator).to(DEVICE) for shape in SHAPES]
 
 
-def torch_step(parameters, optimizer, step, max_norm, scale):
-    for parameter, gradient in zip(parameters, gradients(step, scale)):
-        parameter.grad = gradient
+def set_gradients(parameters, step, scale, missing=None):
+    """Step `step`'s gradients, none for the parameter numbered `missing`."""
+    for index, (parameter, gradient) in enumerate(zip(parameters, gradients(step, scale))):
+        parameter.grad = None if index == missing else gradient
+
+
+def torch_step(parameters, optimizer, step, max_norm, scale, missing=None):
+    set_gradients(parameters, step, scale, missing)
     if max_norm:
         torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     for group in optimizer.param_groups:
@@ -71,9 +76,8 @@ class KernelSteps:
         rates = torch.tensor(LEARNING_RATES, device=DEVICE)
         self.update = MultiTensorAdamW(self.optimizer, self.parameters, max_norm, rates, self.learning_rate)
 
-    def step(self, step, scale):
-        for parameter, gradient in zip(self.parameters, gradients(step, scale)):
-            parameter.grad = gradient
+    def step(self, step, scale, missing=None):
+        set_gradients(self.parameters, step, scale, missing)
         self.step_counter.fill_(step)
         self.update.step(self.step_counter)
 
@@ -167,18 +171,8 @@ def test_a_parameter_without_a_gradient_is_left_out_as_torch_leaves_it():
     optimizer = make_optimizer(parameters, capturable_rate=False)
     kernel = KernelSteps(max_norm=1.0)
     for step in range(3):
-        for parameter, gradient in zip(parameters, gradients(step)):
-            parameter.grad = gradient
-        parameters[2].grad = None
-        torch.nn.utils.clip_grad_norm_(parameters, 1.0)
-        for group in optimizer.param_groups:
-            group["lr"] = LEARNING_RATES[min(step, len(LEARNING_RATES) - 1)]
-        optimizer.step()
-        for parameter, gradient in zip(kernel.parameters, gradients(step)):
-            parameter.grad = gradient
-        kernel.parameters[2].grad = None
-        kernel.step_counter.fill_(step)
-        kernel.update.step(kernel.step_counter)
+        torch_step(parameters, optimizer, step, max_norm=1.0, scale=1.0, missing=2)
+        kernel.step(step, scale=1.0, missing=2)
     assert kernel.parameters[2] not in kernel.optimizer.state
     torch.testing.assert_close(kernel.parameters[2], make_parameters()[2], rtol=0, atol=0)
     kept = [i for i in range(len(SHAPES)) if i != 2]
