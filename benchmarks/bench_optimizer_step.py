@@ -8,9 +8,9 @@ for the parameters of the handout recipe's model (and others given). Prints a ta
 
 Each update is captured in a CUDA graph after warm-up calls, as the training step captures it, and replayed
 `--replays` times between two CUDA events (device time per update; median of `--repeats` such timings). The
-gradients are fixed random tensors (large enough that the clipping scales them); the optimizer is the trainer's
-(`KnowGPTTrainer._make_optimizer`: the handout's groups, betas (0.9, 0.95), fused, capturable, one learning-rate
-tensor). `moved` is the bytes the update must read and write at the least (parameter, gradient and two moments
+gradients are fixed random tensors (large enough that the clipping scales them); the optimizer is made as the trainer
+makes it (`KnowGPTTrainer._make_optimizer`: the handout's groups, betas (0.9, 0.95), fused, capturable, one
+learning-rate tensor). `moved` is the bytes the update must read and write at the least (parameter, gradient and two moments
 read; parameter and moments written; fp32), and GB/s that divided by the time.
 """
 

@@ -82,6 +82,17 @@ class KernelSteps:
         self.update.step(self.step_counter)
 
 
+def both_ways(max_norm):
+    """Parameters with torch's AdamW, and a copy of them with the kernels."""
+    parameters = make_parameters()
+    return parameters, make_optimizer(parameters, capturable_rate=False), KernelSteps(max_norm)
+
+
+def step_both_ways(parameters, optimizer, kernel, step, max_norm, scale, missing=None):
+    torch_step(parameters, optimizer, step, max_norm, scale, missing)
+    kernel.step(step, scale, missing)
+
+
 def checkpointed(optimizer) -> dict:
     """The optimizer's state as a checkpoint gives it back (accelerate saves it with torch.save)."""
     buffer = io.BytesIO()
@@ -113,12 +124,9 @@ def assert_same_state(kernel_parameters, kernel_optimizer, parameters, optimizer
     ids=["clipped", "not-clipped", "no-clipping", "small-gradients"],
 )
 def test_steps_match_clip_grad_norm_and_torch_adamw(max_norm, scale):
-    parameters = make_parameters()
-    optimizer = make_optimizer(parameters, capturable_rate=False)
-    kernel = KernelSteps(max_norm)
+    parameters, optimizer, kernel = both_ways(max_norm)
     for step in range(5):
-        torch_step(parameters, optimizer, step, max_norm, scale)
-        kernel.step(step, scale)
+        step_both_ways(parameters, optimizer, kernel, step, max_norm, scale)
         want_rate = LEARNING_RATES[min(step, len(LEARNING_RATES) - 1)]
         assert kernel.learning_rate.item() == pytest.approx(want_rate, rel=1e-6)
         assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)
@@ -131,12 +139,9 @@ def test_the_state_saves_and_resumes_as_torch_adamw_state():
     """A checkpoint written after kernel steps resumes torch's AdamW, and one written by torch's resumes the
     kernels, each continuing exactly as the other would."""
     max_norm, scale = 1.0, 1.0
-    parameters = make_parameters()
-    optimizer = make_optimizer(parameters, capturable_rate=False)
-    kernel = KernelSteps(max_norm)
+    parameters, optimizer, kernel = both_ways(max_norm)
     for step in range(2):
-        torch_step(parameters, optimizer, step, max_norm, scale)
-        kernel.step(step, scale)
+        step_both_ways(parameters, optimizer, kernel, step, max_norm, scale)
     kernel_saved = checkpointed(kernel.optimizer)
     torch_saved = checkpointed(optimizer)
 
@@ -167,12 +172,9 @@ def test_the_state_saves_and_resumes_as_torch_adamw_state():
 
 @needs_kernel
 def test_a_parameter_without_a_gradient_is_left_out_as_torch_leaves_it():
-    parameters = make_parameters()
-    optimizer = make_optimizer(parameters, capturable_rate=False)
-    kernel = KernelSteps(max_norm=1.0)
+    parameters, optimizer, kernel = both_ways(max_norm=1.0)
     for step in range(3):
-        torch_step(parameters, optimizer, step, max_norm=1.0, scale=1.0, missing=2)
-        kernel.step(step, scale=1.0, missing=2)
+        step_both_ways(parameters, optimizer, kernel, step, max_norm=1.0, scale=1.0, missing=2)
     assert kernel.parameters[2] not in kernel.optimizer.state
     torch.testing.assert_close(kernel.parameters[2], make_parameters()[2], rtol=0, atol=0)
     kept = [i for i in range(len(SHAPES)) if i != 2]

@@ -26,8 +26,8 @@ of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUC
 before every graph's capture, not only the first's (`warmup3-every-graph`,
 `GraphedStepper.LATER_WARMUP_STEPS`); the update by torch, the clipping compiled with the step and then fused
 AdamW, instead of the multi-tensor kernels (`torch-adamw`, `GraphedStepper.MULTI_TENSOR_UPDATE`; the `eager-clip`
-variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added to the graphed step's or taken from them
-(`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
+variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added
+to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
 compute-bound, not every one whose sizes are not multiples of 8 such as the vocabulary's 257 logits; `pdl`
 launches each inductor kernel while the one before it ends (programmatic dependent launch, Hopper and later);
 `cooperative-reductions` does a split reduction in one kernel with a grid-wide barrier, `no-split-reductions`

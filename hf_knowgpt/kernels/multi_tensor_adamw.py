@@ -26,6 +26,8 @@ sums and the rounding of the bias corrections differ (tests/test_multi_tensor_ad
 torch's). It runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
 """
 
+import itertools
+
 import torch
 
 from .fused_attention import _interpreted, triton
@@ -82,8 +84,8 @@ class MultiTensorAdamW:
     """`clip_grad_norm_(parameters, max_norm)`, the learning rate of step `step_counter` from `learning_rates`
     written into `learning_rate` (the optimizer's shared rate tensor), and `optimizer.step()`, in four launches
     that a CUDA graph can capture; `optimizer` keeps the state (its moments and step counts become views of flat
-    buffers), so it saves and resumes as before. `max_norm` 0 or None
-    clips nothing. Check `multi_tensor_adamw_applies` first."""
+    buffers), so it saves and resumes as before. `max_norm` 0 or None clips nothing. Check
+    `multi_tensor_adamw_applies` first."""
 
     def __init__(self, optimizer, parameters, max_norm, learning_rates: torch.Tensor, learning_rate: torch.Tensor):
         self.optimizer = optimizer
@@ -94,15 +96,13 @@ class MultiTensorAdamW:
         self.updated = None  # the parameters with gradients at the first step: the ones every step updates
 
     def _bind(self, updated):
-        """Flat moments, the shared step count and the device tables, for the parameters `updated` (first step)."""
+        """Flat moments and step counts and the device tables, for the parameters `updated` (first step)."""
         optimizer, device = self.optimizer, updated[0].device
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         self.beta1, self.beta2 = (float(beta) for beta in optimizer.param_groups[0]["betas"])
         self.eps = float(optimizer.param_groups[0]["eps"])
         numels = [p.numel() for p in updated]
-        offsets = [0]
-        for numel in numels:
-            offsets.append(offsets[-1] + numel)
+        offsets = list(itertools.accumulate(numels, initial=0))
         total = offsets[-1]
         self.exp_avg = torch.zeros(total, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(total, dtype=torch.float32, device=device)

@@ -265,6 +265,7 @@ class GraphedStepper:
         self.seq_len = trainer.data.static_length
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.parameter_sizes = [p.numel() for p in self.parameters]
         self.optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         self.learning_rates = torch.tensor(
             [args.learning_rate * m for m in trainer.lr_multipliers], device=device, dtype=torch.float32
@@ -290,7 +291,6 @@ class GraphedStepper:
         self.loss_count = 0
         if self.world > 1 and not self.packed:
             raise ValueError("the graphed path on several processes needs packed batches (packed=True)")
-        self.parameter_sizes = [p.numel() for p in self.parameters]
         self.gradient_reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.gradient_reduce_dtype]
         if self.world > 1:  # every process starts from the first one's parameters, as DDP's construction ensures
             with torch.no_grad():
@@ -329,10 +329,9 @@ class GraphedStepper:
         from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies, multi_tensor_adamw_pays
 
         multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count
-        elements = sum(p.numel() for p in self.parameters)
         if not (
             multi_tensor_adamw_applies(self.optimizer, self.parameters)
-            and multi_tensor_adamw_pays(elements, multiprocessors)
+            and multi_tensor_adamw_pays(sum(self.parameter_sizes), multiprocessors)
         ):
             return None
         return MultiTensorAdamW(self.optimizer, self.parameters, max_norm, self.learning_rates, self.learning_rate)
