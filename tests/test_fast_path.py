@@ -438,8 +438,18 @@ def test_the_compiled_artifacts_file_depends_on_the_model_not_its_path(pretraini
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("packed", [True, False])
-def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tmp_path, packed):
+@pytest.mark.parametrize(
+    "packed, later_graphs_after_their_step",
+    [(True, True), (True, False), (False, True)],
+    ids=["packed", "packed-later-graphs-restored", "dense"],
+)
+def test_captured_graphs_replay_the_uncaptured_step_exactly(
+    pretraining_data, tmp_path, monkeypatch, packed, later_graphs_after_their_step
+):
+    """Steps over an epoch boundary and several graphs (packed: one per token count; a later graph captured after
+    its first step ran uncaptured as the step it is, or after a warm-up step restored) end on the parameters of
+    the same steps run uncaptured: no step taken twice or left out."""
+    monkeypatch.setattr(GraphedStepper, "LATER_GRAPHS_AFTER_THEIR_STEP", later_graphs_after_their_step)
     tokenizer, data = pretraining_data
     model = fresh_model(len(tokenizer)).cuda()  # no dropout: both runs are deterministic
     reference = copy.deepcopy(model)
@@ -460,7 +470,8 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(pretraining_data, tm
         uncaptured.optimizer.zero_grad(set_to_none=True)
         uncaptured._body(uncaptured._prepare_packed(step) if packed else None)
     torch.cuda.synchronize()
-    assert len(graphed.graphs) >= 1 and graphed.capture_seconds > 0
+    assert len(graphed.graphs) >= (3 if packed else 1) and graphed.capture_seconds > 0
+    assert graphed.step_counter.item() == uncaptured.step_counter.item() == steps
     # one record per graph, in the order captured, their seconds adding up to the capture time
     assert [capture["tokens"] for capture in graphed.captures] == list(graphed.graphs)
     assert sum(capture["seconds"] for capture in graphed.captures) == pytest.approx(graphed.capture_seconds)

@@ -167,12 +167,12 @@ def profiled_graphed_run(self, first_step, count, should_stop):
             graphed_run(self, global_step, 1, should_stop)
             continue
         capacity = self._prepare_packed(global_step) if self.packed else None
-        if capacity not in self.graphs:
-            self.capture(global_step, capacity)
+        taken = capacity not in self.graphs and self.capture(global_step, capacity)  # a later graph takes its step
         if global_step + 1 == FIRST:
             start()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._body(capacity)
+        if not taken:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._body(capacity)
         if global_step + 1 == LAST:
             stop()
     return count

@@ -23,8 +23,11 @@ recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
 (`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps
-before every graph's capture, not only the first's (`warmup3-every-graph`,
-`GraphedStepper.LATER_WARMUP_STEPS`); the update by torch, the clipping compiled with the step and then fused
+before every graph's capture, not only the first's, each restored afterwards (`warmup3-every-graph`,
+`GraphedStepper.LATER_WARMUP_STEPS`); a later graph captured as the first one is, after a warm-up step whose
+state is restored, with the device synchronized and the memory caches emptied (torch.cuda.graph's way), instead
+of after its first step run uncaptured as the step it is (`restored-later-graphs`,
+`GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP`); the update by torch, the clipping compiled with the step and then fused
 AdamW, instead of the multi-tensor kernels (`torch-adamw`, `GraphedStepper.MULTI_TENSOR_UPDATE`; the `eager-clip`
 variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added
 to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
@@ -100,7 +103,10 @@ VARIANTS = {
     # launch` timed them ("forward 1 warp").
     "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
     "bucket512": {"bucket": 512},
-    "warmup3-every-graph": {"later_warmup_steps": 3},
+    "warmup3-every-graph": {"later_warmup_steps": 3, "later_graphs_after_their_step": False},
+    # a later graph captured as the first one is (torch.cuda.graph: the device synchronized, the caches emptied),
+    # after a warm-up step whose state is restored (GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP)
+    "restored-later-graphs": {"later_graphs_after_their_step": False},
     "coordinate-descent": {"inductor": {"coordinate_descent_tuning": True}},
     "coordinate-descent-dynamic-launch": {"flags": ["--tune_kernels"]},  # GraphedStepper.TUNING_OPTIONS
     "dynamic-launch": {"inductor": {"use_static_cuda_launcher": False}},
@@ -165,6 +171,9 @@ def run_one(variant: str, train_args: list[str]) -> None:
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     GraphedStepper.MULTI_TENSOR_UPDATE = settings.get("multi_tensor_update", GraphedStepper.MULTI_TENSOR_UPDATE)
+    GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP = settings.get(
+        "later_graphs_after_their_step", GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP
+    )
     if settings.get("traced_every_run"):  # every part compiled the default way: dynamo traces it in every run
         from hf_knowgpt.training import compile_cache
 

@@ -223,6 +223,11 @@ class GraphedStepper:
     # (about 0.2 s less of a warm run's capture on an H200, benchmarks/RESULTS.md).
     WARMUP_STEPS = 3
     LATER_WARMUP_STEPS = 1
+    # One process: a later graph's warm-up is its first step itself, run uncaptured, and its capture waits for
+    # nothing, where torch.cuda.graph synchronizes the device and empties the device's and the pinned host
+    # memory's caches first, and the warm-up's state had to be restored: the device goes on with the steps
+    # queued before it while the host captures. (Several processes keep the restored warm-up: not measured there.)
+    LATER_GRAPHS_AFTER_THEIR_STEP = True
     # Real tokens of a packed step rounded up to a multiple of this: each multiple met gets its own graph (12
     # over the handout recipe's 14950 steps, 7 with 512), and the rounding adds 1.7% of a step's 7515 real
     # tokens on average (3.4% with 512).
@@ -310,6 +315,7 @@ class GraphedStepper:
         self.token_indices = {}  # capacity -> device buffer
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
+        self.capture_stream = None  # later graphs' (`LATER_GRAPHS_AFTER_THEIR_STEP`)
         self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
         self.compiled = compile_model
         self.model = model
@@ -487,8 +493,25 @@ class GraphedStepper:
             self.step_counter.copy_(step_counter)
             self.loss_sum.copy_(loss_sum)
 
-    def capture(self, first_step: int, capacity=None):
+    def capture(self, first_step: int, capacity=None) -> bool:
+        """Capture the graph of `capacity` tokens (None: dense) before step `first_step`; True where that step
+        was taken meanwhile (`LATER_GRAPHS_AFTER_THEIR_STEP`), False where the graph has yet to take it."""
         started = time.perf_counter()
+        if self.graphs and self.world == 1 and self.LATER_GRAPHS_AFTER_THEIR_STEP:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._body(capacity)  # the step itself, uncaptured: the new token count's warm-up
+            self.optimizer.zero_grad(set_to_none=True)  # the graph's gradients come from its own memory
+            graph = torch.cuda.CUDAGraph()
+            self.capture_stream = self.capture_stream or torch.cuda.Stream()
+            with torch.cuda.stream(self.capture_stream):
+                graph.capture_begin(pool=self.pool, capture_error_mode="global")
+                try:
+                    self._body(capacity)
+                finally:
+                    graph.capture_end()
+            self.graphs[capacity] = graph
+            self.captures.append({"tokens": capacity, "seconds": time.perf_counter() - started})
+            return True
         self.step_counter.fill_(first_step)
         snapshot = self._snapshot()
         side_stream = torch.cuda.Stream()
@@ -510,6 +533,7 @@ class GraphedStepper:
         self._restore(snapshot)
         torch.cuda.synchronize()
         self.captures.append({"tokens": capacity, "seconds": time.perf_counter() - started})
+        return False
 
     @property
     def capture_seconds(self) -> float:
@@ -519,8 +543,8 @@ class GraphedStepper:
     def run(self, first_step: int, count: int, should_stop) -> int:
         for global_step in range(first_step, first_step + count):
             capacity = self._prepare_packed(global_step) if self.packed else None
-            if capacity not in self.graphs:
-                self.capture(global_step, capacity)
+            if capacity not in self.graphs and self.capture(global_step, capacity):
+                continue  # the new graph's warm-up was this step
             self.graphs[capacity].replay()
         self.loss_count += count
         return count
