@@ -251,7 +251,7 @@ def eager_attention(query, key, value, mask, scale, dropout_p, is_causal, length
 
 
 def triton_attention(query, key, value, mask, scale, dropout_p, is_causal, lengths=None, fallback=sdpa_attention):
-    """The fused Triton kernel (`hf_knowgpt.kernels.fused_attention`: bf16 in and out, computed as in fp32) where
+    """The fused Triton kernel (`hf_knowgpt.kernels.fused_attention`: bf16 in and out, softmax and sums in fp32) where
     it applies: causal bf16 self-attention without a padding mask over at most 256 positions on a CUDA
     device, i.e. bf16 training. `fallback` (SDPA) everywhere else: fp32, masks, the KV cache, the
     perceiver's cross-attention, CPU. (Packed training calls the kernel directly, the synthesizer's keys by

@@ -1,4 +1,4 @@
-"""A fused causal attention kernel for short bf16 sequences, computed as if in fp32, written in Triton.
+"""A fused causal attention kernel for short bf16 sequences, its softmax and sums in fp32, written in Triton.
 
 Why: under bf16 the handouts' recipe trains like fp32 only when the attention kernel runs in fp32
 (`KnowGPTConfig.attention_kernel_dtype`), and PyTorch's only fused fp32 kernel with dropout (the
@@ -14,7 +14,7 @@ see), so no two programs write one gradient and no atomics are needed. Told each
 and dO Vᵀ) run on tensor cores exactly (products of bf16 numbers are exact in fp32, and accumulate in
 fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q —
 split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
-three parts give fp32's 24 bits, two about 16, one what the flash kernel keeps. The dropout mask is
+three parts give fp32's 24 bits, two (the default) about 16, one what the flash kernel keeps. The dropout mask is
 regenerated from the call's seed in the backward pass instead of being stored (four adjacent keys'
 uniforms from each Philox evaluation), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
 fp32 copy of the output rather than from the rounded one.
@@ -48,9 +48,11 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 # The longest sequence: the knowledge recipe's block of 192 positions fits (blocks of 16 positions loop
 # over up to 16 blocks; the dropout mask's row stride is 256).
 MAX_SEQ_LEN = 256
-# Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy. One part
-# trains the knowledge recipe 5% faster but answered 0.5 points less over ten runs (benchmarks/RESULTS.md).
-DEFAULT_SPLITS = 3
+# Half-precision parts of the fp32 operand of P·V, Pᵀ·dO, dS·K and dSᵀ·Q: 3 is fp32's accuracy. Two answered
+# as three did over ten runs a side of the knowledge recipe (84.62 ± 0.79% against 84.53 ± 0.64% on held-out
+# training questions) and take 0.3 s off the handout recipe's steps; one part trains the knowledge recipe 5%
+# faster but answered 0.5 points less over ten runs (benchmarks/RESULTS.md).
+DEFAULT_SPLITS = 2
 # Positions per block of queries or keys, and warps per program for each block size (tuned with
 # benchmarks/bench_attention.py; see benchmarks/RESULTS.md).
 BLOCK_SIZE = 16
@@ -590,8 +592,8 @@ def fused_causal_attention(
     rotary=None,
     bias=None,
 ):
-    """Causal softmax(Q Kᵀ · scale + bias) V with dropout on the weights, computed as in fp32; see the module
-    docstring.
+    """Causal softmax(Q Kᵀ · scale + bias) V with dropout on the weights, its softmax and sums in fp32; see the
+    module docstring.
 
     `splits` (1–3, default `DEFAULT_SPLITS`): half-precision parts of the fp32 operands. `seed` (an int64
     tensor of one element on the inputs' device) fixes the dropout mask; by default each call draws one.
