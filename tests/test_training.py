@@ -24,7 +24,7 @@ from hf_knowgpt.analysis.evaluation import load_metric
 from hf_knowgpt.qa import handout_accuracy
 from hf_knowgpt.training import workflows
 from hf_knowgpt.training.arguments import HANDOUT_WARMUP_TOKENS
-from hf_knowgpt.training.data import packed_token_index
+from hf_knowgpt.training.data import packed_token_index, packed_token_indices
 from hf_knowgpt.training.optimization import (
     handout_lr_multiplier,
     handout_lr_multipliers,
@@ -134,6 +134,22 @@ def test_packed_index_keeps_row_prefixes_and_rounds_up():
     for row in range(3):
         positions = sorted(i % 8 for i in rounded.tolist() if i // 8 == row)
         assert positions == list(range(len(positions))) and len(positions) >= lengths[row]
+
+
+def test_packed_indices_of_several_steps_are_each_steps_own_one_after_another():
+    """The host plans packed steps many at a time: the same indices as each step's alone, whatever each
+    step's size (its real tokens up to its whole grid), and a size out of reach names the step."""
+    generator = torch.Generator().manual_seed(1)
+    steps, rows, width = 9, 6, 8
+    lengths = torch.randint(0, width + 2, (steps, rows), generator=generator)
+    counts = lengths.clamp(max=width).sum(dim=1)
+    sizes = [int(torch.randint(int(count), rows * width + 1, (1,), generator=generator)) for count in counts]
+    sizes[0], sizes[1] = int(counts[0]), rows * width  # no padding at all, then every position
+    expected = torch.cat([packed_token_index(lengths[s], width, size=sizes[s]) for s in range(steps)])
+    assert torch.equal(packed_token_indices(lengths, width, sizes), expected)
+    sizes[4] = int(counts[4]) - 1
+    with pytest.raises(ValueError, match=f"got {sizes[4]} \\(step 4 of 9\\)"):
+        packed_token_indices(lengths, width, sizes)
 
 
 # -- end to end ------------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ before every graph's capture, not only the first's, each restored afterwards (`w
 `GraphedStepper.LATER_WARMUP_STEPS`); a later graph captured as the first one is, after a warm-up step whose
 state is restored, with the device synchronized and the memory caches emptied (torch.cuda.graph's way), instead
 of after its first step run uncaptured as the step it is (`restored-later-graphs`,
-`GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP`); the update by torch, the clipping compiled with the step and then fused
+`GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP`); packed steps made ready on the host each alone instead of 64
+at a time (`steps-made-ready-each-alone`, `GraphedStepper._plan_packed`); the update by torch, the clipping compiled with the step and then fused
 AdamW, instead of the multi-tensor kernels (`torch-adamw`, `GraphedStepper.MULTI_TENSOR_UPDATE`; the `eager-clip`
 variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added
 to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
@@ -132,6 +133,8 @@ VARIANTS = {
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
     # the update by torch: the clipping compiled with the step, then fused AdamW (GraphedStepper.MULTI_TENSOR_UPDATE)
     "torch-adamw": {"multi_tensor_update": False},
+    # packed steps made ready on the host each alone, as before GraphedStepper._plan_packed
+    "steps-made-ready-each-alone": {"each_step_alone": True},
 }
 
 
@@ -169,6 +172,10 @@ def run_one(variant: str, train_args: list[str]) -> None:
         setattr(fused_attention, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
+    if settings.get("each_step_alone"):
+        from diagnostics.host_step_plan import prepare_each_step_alone
+
+        GraphedStepper._prepare_packed = prepare_each_step_alone
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     GraphedStepper.MULTI_TENSOR_UPDATE = settings.get("multi_tensor_update", GraphedStepper.MULTI_TENSOR_UPDATE)
     GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP = settings.get(

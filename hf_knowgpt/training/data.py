@@ -1,9 +1,10 @@
 """What a training step reads: span-corrupted documents, question–answer examples, or both mixed, built a
 batch at a time on the training device; and the packed token index that leaves out right padding.
 
-Every data class offers the same four operations: `plan` (the host side of a step: example lengths and
-corruption uniforms, drawn without waiting for the device), `trained_targets`, `batch` (a `TrainingBatch`
-for the eager paths) and `device_batch` (tensors only, for captured CUDA graphs).
+Every data class offers the same operations: `plan` (the host side of a step: example lengths and
+corruption uniforms, drawn without waiting for the device), made of `draw` (a step's uniforms) and
+`lengths_of` (row by row, so the rows of many steps can be given at once), `trained_targets`, `batch` (a
+`TrainingBatch` for the eager paths) and `device_batch` (tensors only, for captured CUDA graphs).
 """
 
 from dataclasses import dataclass
@@ -125,9 +126,13 @@ class PretrainingData:
         )
         return truncated + 2
 
+    def draw(self, count: int, generator: torch.Generator) -> torch.Tensor:
+        """The uniforms of a step of `count` examples, drawn from `generator` (on the host)."""
+        return draw_uniforms(count, generator, columns=self.uniform_columns)
+
     def plan(self, indices: torch.Tensor, generator: torch.Generator):
         """Host side of a step: (example lengths, uniforms), drawn exactly as `batch` draws them."""
-        uniforms = draw_uniforms(len(indices), generator, columns=self.uniform_columns)
+        uniforms = self.draw(len(indices), generator)
         return self.lengths_of(indices, uniforms), uniforms
 
     def trained_targets(self, indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -197,11 +202,13 @@ class FinetuningData:
     def lengths_of(self, indices: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         return self.host_lengths[_example_rows(self.variants, indices, uniforms, host=True)]
 
-    def plan(self, indices: torch.Tensor, generator: torch.Generator):
+    def draw(self, count: int, generator: torch.Generator) -> torch.Tensor:
         if self.variants is None:  # nothing random: no draw, the generator untouched
-            uniforms = torch.zeros(len(indices), self.uniform_columns, dtype=torch.float64)
-        else:
-            uniforms = draw_uniforms(len(indices), generator, columns=self.uniform_columns)
+            return torch.zeros(count, self.uniform_columns, dtype=torch.float64)
+        return draw_uniforms(count, generator, columns=self.uniform_columns)
+
+    def plan(self, indices: torch.Tensor, generator: torch.Generator):
+        uniforms = self.draw(len(indices), generator)
         return self.lengths_of(indices, uniforms), uniforms
 
     def trained_targets(self, indices: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -262,8 +269,11 @@ class MixedData:
             self.questions.lengths_of(question_rows, uniforms),
         )
 
+    def draw(self, count, generator):
+        return draw_uniforms(count, generator, columns=self.uniform_columns)
+
     def plan(self, indices, generator):
-        uniforms = draw_uniforms(len(indices), generator, columns=self.uniform_columns)
+        uniforms = self.draw(len(indices), generator)
         return self.lengths_of(indices, uniforms), uniforms
 
     def trained_targets(self, indices, lengths):
@@ -308,31 +318,45 @@ def packed_token_index(
     """Flat indices (b·T + t) of the positions t < lengths[b]; with `multiple`, extended by padding
     positions (the earliest of each row first, which keeps each row a prefix) to a multiple of it, so
     shapes repeat and compiled code is reused; with `size`, extended to exactly that many."""
-    positions = torch.arange(seq_len)
-    real = positions[None] < lengths[:, None]
     count = int(lengths.clamp(max=seq_len).sum())
-    target = packed_size(count, multiple, real.numel()) if size is None else size
-    if not count <= target <= real.numel():
-        raise ValueError(f"size must lie between the {count} real tokens and the grid's {real.numel()}, got {target}")
-    if target > count:
-        real = real | _earliest_padding(lengths.clamp(max=seq_len), seq_len, target - count)
-    return real.flatten().nonzero().squeeze(1)
+    target = packed_size(count, multiple, lengths.numel() * seq_len) if size is None else size
+    return packed_token_indices(lengths[None], seq_len, [target])
 
 
-def _earliest_padding(lengths: torch.Tensor, seq_len: int, extra: int) -> torch.Tensor:
-    """(B, T) mask of `extra` padding positions taken in rounds: round k takes position lengths[b] + k of
-    every row that has one, rows in order. Counting instead of sorting the grid: this runs on the host
-    before every packed step (an argsort of the grid cost 0.5 ms of a 1.8 ms step)."""
+def packed_token_indices(lengths: torch.Tensor, seq_len: int, sizes) -> torch.Tensor:
+    """`packed_token_index` of several steps at once: `lengths` (S, B) holds each step's row lengths and
+    `sizes` (S,) its token count; the steps' indices one after another, sizes[s] of them each."""
+    lengths = lengths.clamp(max=seq_len)
+    sizes = torch.as_tensor(sizes, dtype=torch.long)
+    counts, grid = lengths.sum(dim=1), lengths.shape[1] * seq_len
+    wrong = ((sizes < counts) | (sizes > grid)).nonzero()
+    if len(wrong):
+        step = int(wrong[0])
+        raise ValueError(
+            f"size must lie between the {int(counts[step])} real tokens and the grid's {grid}, got {int(sizes[step])}"
+            + (f" (step {step} of {len(sizes)})" if len(sizes) > 1 else "")
+        )
+    kept = _kept_prefixes(lengths, seq_len, sizes - counts)
+    taken = torch.arange(seq_len, dtype=torch.int32) < kept[..., None].int()  # (S, B, T)
+    return taken.flatten(1).nonzero()[:, 1]  # ordered by step, then by flat position
+
+
+def _kept_prefixes(lengths: torch.Tensor, seq_len: int, extra: torch.Tensor) -> torch.Tensor:
+    """(S, B) positions each row keeps, its real ones and, to make up extra[s] more tokens of step s, padding
+    positions taken in rounds: round k takes position lengths[s, b] + k of every row that has one, rows in
+    order, so each row keeps a prefix. Counting instead of sorting the grid: this runs on the host before
+    the packed steps (an argsort of the grid cost 0.5 ms of a 1.8 ms step)."""
     padding = seq_len - lengths  # padding positions of each row
-    # available[k]: rows with a padding position at round k; taken[k]: positions taken by rounds 0..k
-    available = torch.bincount(padding, minlength=seq_len + 1).flip(0).cumsum(0).flip(0)[1:]
-    taken = available.cumsum(0)
-    full_rounds = int(torch.searchsorted(taken, torch.tensor(extra), right=True))
-    left = extra - (int(taken[full_rounds - 1]) if full_rounds else 0)
-    rank = torch.arange(seq_len)[None] - lengths[:, None]  # round of each padding position (< 0: real)
-    eligible = padding > full_rounds
-    last_round_rows = eligible & (eligible.cumsum(0) <= left)
-    return ((rank >= 0) & (rank < full_rounds)) | ((rank == full_rounds) & last_round_rows[:, None])
+    # available[s, k]: rows with a padding position at round k; taken[s, k]: positions taken by rounds 0..k
+    rows_with = torch.zeros(len(lengths), seq_len + 1, dtype=torch.long)
+    available = rows_with.scatter_add_(1, padding, torch.ones_like(padding)).flip(1).cumsum(1).flip(1)[:, 1:]
+    taken = available.cumsum(1)
+    full_rounds = torch.searchsorted(taken, extra[:, None], right=True)  # (S, 1)
+    before = taken.gather(1, (full_rounds - 1).clamp(min=0))
+    left = extra[:, None] - torch.where(full_rounds > 0, before, 0)
+    eligible = padding > full_rounds  # rows with a position left after the full rounds
+    last_round_rows = eligible & (eligible.cumsum(1) <= left)
+    return torch.minimum(lengths + full_rounds, torch.tensor(seq_len)) + last_round_rows
 
 
 __all__ = [
@@ -345,4 +369,5 @@ __all__ = [
     "VariantRows",
     "packed_size",
     "packed_token_index",
+    "packed_token_indices",
 ]

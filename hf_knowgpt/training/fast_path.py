@@ -17,7 +17,9 @@ smaller), normalize the loss by the number of trained targets and follow the sam
 
 import ctypes
 import functools
+import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -36,7 +38,7 @@ from .compile_cache import (
     save_functions,
     wait_for_compiler_keys,
 )
-from .data import TrainingBatch, packed_size, packed_token_index
+from .data import TrainingBatch, packed_size, packed_token_indices
 
 
 def known_inductor_options(options: dict) -> dict:
@@ -195,6 +197,39 @@ def clip_and_set_rate(parameters, max_norm, step_counter, learning_rates, learni
     learning_rate.copy_(learning_rates.index_select(0, step.view(1))[0])
 
 
+def tensor_split_bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    """(begin, end) of each part of `torch.tensor_split(torch.arange(count), parts)`: the first count % parts
+    parts hold one more."""
+    size, larger = divmod(count, parts)
+    begins = [part * size + min(part, larger) for part in range(parts + 1)]
+    return list(zip(begins[:-1], begins[1:]))
+
+
+@dataclass
+class PackedSteps:
+    """The host side of consecutive packed steps (`GraphedStepper._plan_packed`), what each copies to the
+    device before its replay: row s of each tensor is step first + s; step s's token index is
+    token_index[token_offsets[s] : token_offsets[s + 1]], capacities[s] positions."""
+
+    first: int
+    capacities: list[int]
+    indices: torch.Tensor  # (S, rows) examples of this process's slice, 0 where padding
+    valid: torch.Tensor  # (S, rows)
+    uniforms: torch.Tensor  # (S, rows, columns)
+    token_index: torch.Tensor  # every step's, one after another
+    token_offsets: list[int]
+    trained_targets: torch.Tensor  # (S,) the global batch's
+    pinned: bool = False
+
+    def pin(self) -> "PackedSteps":
+        """In page-locked memory, so that the copies to the device are asynchronous; torch keeps a freed block
+        until the copies made from it are done."""
+        for name in ("indices", "valid", "uniforms", "token_index", "trained_targets"):
+            setattr(self, name, getattr(self, name).pin_memory())
+        self.pinned = True
+        return self
+
+
 class GraphedStepper:
     """The whole optimizer step as CUDA graphs, replayed once per step.
 
@@ -253,6 +288,10 @@ class GraphedStepper:
     # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
     # The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s (H200, benchmarks/RESULTS.md).
     MULTI_TENSOR_UPDATE = True
+    # Packed steps made ready on the host this many at a time (`_plan_packed`), in one pass of tensor operations
+    # over all of them: step by step, their ~100 small operations took the host about as long as the device
+    # takes to run a handout step (benchmarks/diagnostics/host_step_plan.py).
+    PLANNED_STEPS = 64
 
     def __init__(
         self, trainer, compile_model: bool | str = False, packed: bool | None = None, bucket: int | None = None
@@ -308,6 +347,7 @@ class GraphedStepper:
         self.orders = None if self.packed else trainer.device_orders()  # (epochs, N) when shuffling
         # Inputs of packed graphs, written before each replay.
         self.generator = torch.Generator()
+        self.plan = None  # the steps made ready ahead (`_plan_packed`)
         self.indices = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.valid = torch.zeros(self.rows, dtype=torch.bool, device=device)
         self.uniforms = torch.zeros(self.rows, data.uniform_columns, dtype=torch.float64, device=device)
@@ -437,38 +477,68 @@ class GraphedStepper:
         parts = [part.view_as(gradient) for part, gradient in zip(flat.split(self.parameter_sizes), gradients)]
         torch._foreach_copy_(gradients, parts)
 
-    # -- host side of a packed step ------------------------------------------------------------------------------
-    def _prepare_packed(self, global_step: int):
+    # -- host side of packed steps ------------------------------------------------------------------------------
+    def _prepare_packed(self, global_step: int, planned: int | None = None):
         """Send this step's indices, uniforms, token index and trained-target count to the device; return
-        the graph's capacity (tokens)."""
-        trainer, args = self.trainer, self.trainer.args
-        indices = trainer.batch_indices(global_step)
-        self.generator.manual_seed(args.seed * 1_000_003 + global_step)  # as the eager path: same examples
-        lengths, uniforms = trainer.data.plan(indices, self.generator)
-        trained_targets = trainer.data.trained_targets(indices, lengths).sum()
-        slices = torch.tensor_split(torch.arange(len(indices)), self.world)  # as the eager path slices
-        grid = self.rows * self.seq_len
-        capacity = max(packed_size(int(lengths[rows].sum()), self.bucket, grid) for rows in slices)
-        mine = slices[self.rank]
-        pad = self.rows - len(mine)
-        indices = torch.cat([indices[mine], indices.new_zeros(pad)])
-        lengths = torch.cat([lengths[mine], lengths.new_zeros(pad)])
-        uniforms = torch.cat([uniforms[mine], uniforms.new_zeros(pad, uniforms.shape[1])])
-        valid = torch.arange(self.rows) < len(mine)
-        token_index = packed_token_index(lengths, self.seq_len, size=capacity)
+        the graph's capacity (tokens). Steps are made ready `planned` (PLANNED_STEPS) at a time, ahead."""
+        plan = self.plan
+        if plan is None or not plan.first <= global_step < plan.first + len(plan.capacities):
+            plan = self.plan = self._plan_packed(global_step, planned or self.PLANNED_STEPS)
+        step = global_step - plan.first
+        capacity = plan.capacities[step]
         if capacity not in self.token_indices:
             self.token_indices[capacity] = torch.zeros(capacity, dtype=torch.long, device=self.device)
-        # Pinned staging makes the copies asynchronous; torch keeps each staging block until its copy is done.
-        pinned = self.device.type == "cuda"
+        token_index = plan.token_index[plan.token_offsets[step] : plan.token_offsets[step + 1]]
         for target, source in (
-            (self.indices, indices),
-            (self.valid, valid),
-            (self.uniforms, uniforms),
+            (self.indices, plan.indices[step]),
+            (self.valid, plan.valid[step]),
+            (self.uniforms, plan.uniforms[step]),
             (self.token_indices[capacity], token_index),
-            (self.trained_targets, trained_targets.float()),
+            (self.trained_targets, plan.trained_targets[step]),
         ):
-            target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
+            target.copy_(source, non_blocking=plan.pinned)
         return capacity
+
+    def _plan_packed(self, first_step: int, count: int) -> "PackedSteps":
+        """The host side of steps first_step .. first_step + count - 1, each as the eager path makes it (its
+        examples, its uniforms from its own seed), the lengths and token indices of all in one pass."""
+        trainer, data, seed = self.trainer, self.trainer.data, self.trainer.args.seed
+        step_indices, step_uniforms = [], []
+        for global_step in range(first_step, first_step + count):
+            indices = trainer.batch_indices(global_step)
+            self.generator.manual_seed(seed * 1_000_003 + global_step)  # as the eager path: same examples
+            step_indices.append(indices)
+            step_uniforms.append(data.draw(len(indices), self.generator))
+        indices, uniforms = torch.cat(step_indices), torch.cat(step_uniforms)
+        lengths = data.lengths_of(indices, uniforms)
+        length_sums = [0, *itertools.accumulate(lengths.tolist())]
+        target_sums = [0, *itertools.accumulate(data.trained_targets(indices, lengths).tolist())]
+        # Each step's rows split over the processes as the eager path splits them (torch.tensor_split); every
+        # process takes the largest slice's bucket, and pads its own slice to `rows` with invalid rows.
+        grid = self.rows * self.seq_len
+        rows = torch.full((count, self.rows), -1, dtype=torch.long)  # row of `indices` (-1: padding)
+        capacities, trained_targets, start = [], [], 0
+        for step, batch in enumerate(map(len, step_indices)):
+            slices = tensor_split_bounds(batch, self.world)
+            tokens = [length_sums[start + end] - length_sums[start + begin] for begin, end in slices]
+            capacities.append(max(packed_size(count, self.bucket, grid) for count in tokens))
+            trained_targets.append(target_sums[start + batch] - target_sums[start])
+            begin, end = slices[self.rank]
+            rows[step, : end - begin] = torch.arange(start + begin, start + end)
+            start += batch
+        valid = rows >= 0
+        rows = rows.clamp(min=0)
+        plan = PackedSteps(
+            first=first_step,
+            capacities=capacities,
+            indices=torch.where(valid, indices[rows], 0),
+            valid=valid,
+            uniforms=torch.where(valid[..., None], uniforms[rows], 0.0),
+            token_index=packed_token_indices(torch.where(valid, lengths[rows], 0), self.seq_len, capacities),
+            token_offsets=[0, *itertools.accumulate(capacities)],
+            trained_targets=torch.tensor(trained_targets, dtype=torch.float32),
+        )
+        return plan.pin() if self.device.type == "cuda" else plan
 
     # -- capture and replay ----------------------------------------------------------------------------------------
     def _snapshot(self):
@@ -541,8 +611,11 @@ class GraphedStepper:
         return sum(capture["seconds"] for capture in self.captures)
 
     def run(self, first_step: int, count: int, should_stop) -> int:
-        for global_step in range(first_step, first_step + count):
-            capacity = self._prepare_packed(global_step) if self.packed else None
+        end = first_step + count
+        for global_step in range(first_step, end):
+            capacity = (
+                self._prepare_packed(global_step, min(self.PLANNED_STEPS, end - global_step)) if self.packed else None
+            )
             if capacity not in self.graphs and self.capture(global_step, capacity):
                 continue  # the new graph's warm-up was this step
             self.graphs[capacity].replay()

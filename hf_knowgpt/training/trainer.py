@@ -238,6 +238,7 @@ class KnowGPTTrainer:
         self.block_size = model.config.block_size
         self.steps_rows = rows_per_step(data.num_examples, args.batch_size, args.max_epochs)
         self.steps_per_epoch = len(rows_per_step(data.num_examples, args.batch_size, 1))
+        self._kept_order = None  # (epoch, its order): `_epoch_order`
         final_tokens = args.final_tokens or args.max_epochs * data.num_examples * self.block_size
         self.lr_multipliers = handout_lr_multipliers(
             self.steps_rows, self.block_size - 1, args.warmup_tokens, final_tokens
@@ -356,14 +357,20 @@ class KnowGPTTrainer:
     def batch_indices(self, global_step: int) -> torch.Tensor:
         """The examples of a step: the handouts' batches in file order (or this epoch's shuffled order)."""
         epoch, step_in_epoch = divmod(global_step, self.steps_per_epoch)
-        if self.args.shuffle:
-            order = torch.randperm(
-                self.data.num_examples, generator=torch.Generator().manual_seed(self.args.seed * 7919 + epoch)
-            )
-        else:
-            order = torch.arange(self.data.num_examples)
         first = step_in_epoch * self.args.batch_size
-        return order[first : first + self.args.batch_size]
+        return self._epoch_order(epoch)[first : first + self.args.batch_size]
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        """The examples of an epoch in the order its batches take them; the last epoch's is kept, since every
+        step of it asks (a permutation of all examples per step cost the host more than some steps take)."""
+        if self._kept_order is None or self._kept_order[0] != epoch:
+            if self.args.shuffle:
+                generator = torch.Generator().manual_seed(self.args.seed * 7919 + epoch)
+                order = torch.randperm(self.data.num_examples, generator=generator)
+            else:
+                order = torch.arange(self.data.num_examples)
+            self._kept_order = (epoch, order)
+        return self._kept_order[1]
 
     def device_orders(self):
         if not self.args.shuffle:
