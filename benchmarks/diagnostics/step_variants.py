@@ -28,7 +28,7 @@ before every graph's capture, not only the first's, each restored afterwards (`w
 state is restored, with the device synchronized and the memory caches emptied (torch.cuda.graph's way), instead
 of after its first step run uncaptured as the step it is (`restored-later-graphs`,
 `GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP`); packed steps made ready on the host each alone instead of 64
-at a time (`steps-made-ready-each-alone`, `GraphedStepper._plan_packed`); the update by torch, the clipping compiled with the step and then fused
+at a time (`steps-made-ready-each-alone`, `packed_steps.plan_packed_steps`); the update by torch, the clipping compiled with the step and then fused
 AdamW, instead of the multi-tensor kernels (`torch-adamw`, `GraphedStepper.MULTI_TENSOR_UPDATE`; the `eager-clip`
 variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added
 to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
@@ -133,7 +133,7 @@ VARIANTS = {
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
     # the update by torch: the clipping compiled with the step, then fused AdamW (GraphedStepper.MULTI_TENSOR_UPDATE)
     "torch-adamw": {"multi_tensor_update": False},
-    # packed steps made ready on the host each alone, as before GraphedStepper._plan_packed
+    # packed steps made ready on the host each alone, as before packed_steps.plan_packed_steps
     "steps-made-ready-each-alone": {"each_step_alone": True},
 }
 

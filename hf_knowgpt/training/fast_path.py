@@ -17,9 +17,7 @@ smaller), normalize the loss by the number of trained targets and follow the sam
 
 import ctypes
 import functools
-import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -38,7 +36,8 @@ from .compile_cache import (
     save_functions,
     wait_for_compiler_keys,
 )
-from .data import TrainingBatch, packed_size, packed_token_indices
+from .data import TrainingBatch
+from .packed_steps import plan_packed_steps
 
 
 def known_inductor_options(options: dict) -> dict:
@@ -197,39 +196,6 @@ def clip_and_set_rate(parameters, max_norm, step_counter, learning_rates, learni
     learning_rate.copy_(learning_rates.index_select(0, step.view(1))[0])
 
 
-def tensor_split_bounds(count: int, parts: int) -> list[tuple[int, int]]:
-    """(begin, end) of each part of `torch.tensor_split(torch.arange(count), parts)`: the first count % parts
-    parts hold one more."""
-    size, larger = divmod(count, parts)
-    begins = [part * size + min(part, larger) for part in range(parts + 1)]
-    return list(zip(begins[:-1], begins[1:]))
-
-
-@dataclass
-class PackedSteps:
-    """The host side of consecutive packed steps (`GraphedStepper._plan_packed`), what each copies to the
-    device before its replay: row s of each tensor is step first + s; step s's token index is
-    token_index[token_offsets[s] : token_offsets[s + 1]], capacities[s] positions."""
-
-    first: int
-    capacities: list[int]
-    indices: torch.Tensor  # (S, rows) examples of this process's slice, 0 where padding
-    valid: torch.Tensor  # (S, rows)
-    uniforms: torch.Tensor  # (S, rows, columns)
-    token_index: torch.Tensor  # every step's, one after another
-    token_offsets: list[int]
-    trained_targets: torch.Tensor  # (S,) the global batch's
-    pinned: bool = False
-
-    def pin(self) -> "PackedSteps":
-        """In page-locked memory, so that the copies to the device are asynchronous; torch keeps a freed block
-        until the copies made from it are done."""
-        for name in ("indices", "valid", "uniforms", "token_index", "trained_targets"):
-            setattr(self, name, getattr(self, name).pin_memory())
-        self.pinned = True
-        return self
-
-
 class GraphedStepper:
     """The whole optimizer step as CUDA graphs, replayed once per step.
 
@@ -288,10 +254,7 @@ class GraphedStepper:
     # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
     # The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s (H200, benchmarks/RESULTS.md).
     MULTI_TENSOR_UPDATE = True
-    # Packed steps made ready on the host this many at a time (`_plan_packed`), in one pass of tensor operations
-    # over all of them: step by step, their ~100 small operations took an H200's host 0.30 ms of a handout step's
-    # 1.5 ms on the device, 64 at a time 0.06-0.08 ms (benchmarks/diagnostics/host_step_plan.py), so that a
-    # shorter step on the device would not wait on the host.
+    # Packed steps made ready on the host this many at a time (`packed_steps.plan_packed_steps`).
     PLANNED_STEPS = 64
 
     def __init__(
@@ -348,7 +311,7 @@ class GraphedStepper:
         self.orders = None if self.packed else trainer.device_orders()  # (epochs, N) when shuffling
         # Inputs of packed graphs, written before each replay.
         self.generator = torch.Generator()
-        self.plan = None  # the steps made ready ahead (`_plan_packed`)
+        self.plan = None  # the steps made ready ahead (`plan_packed_steps`)
         self.indices = torch.zeros(self.rows, dtype=torch.long, device=device)
         self.valid = torch.zeros(self.rows, dtype=torch.bool, device=device)
         self.uniforms = torch.zeros(self.rows, data.uniform_columns, dtype=torch.float64, device=device)
@@ -484,7 +447,11 @@ class GraphedStepper:
         the graph's capacity (tokens). Steps are made ready `planned` (PLANNED_STEPS) at a time, ahead."""
         plan = self.plan
         if plan is None or not plan.first <= global_step < plan.first + len(plan.capacities):
-            plan = self.plan = self._plan_packed(global_step, planned or self.PLANNED_STEPS)
+            plan = self.plan = plan_packed_steps(
+                self.trainer, self.generator, global_step, planned or self.PLANNED_STEPS, rows=self.rows,
+                seq_len=self.seq_len, bucket=self.bucket, world=self.world, rank=self.rank,
+                pin=self.device.type == "cuda",
+            )  # fmt: skip
         step = global_step - plan.first
         capacity = plan.capacities[step]
         if capacity not in self.token_indices:
@@ -499,47 +466,6 @@ class GraphedStepper:
         ):
             target.copy_(source, non_blocking=plan.pinned)
         return capacity
-
-    def _plan_packed(self, first_step: int, count: int) -> "PackedSteps":
-        """The host side of steps first_step .. first_step + count - 1, each as the eager path makes it (its
-        examples, its uniforms from its own seed), the lengths and token indices of all in one pass."""
-        trainer, data, seed = self.trainer, self.trainer.data, self.trainer.args.seed
-        step_indices, step_uniforms = [], []
-        for global_step in range(first_step, first_step + count):
-            indices = trainer.batch_indices(global_step)
-            self.generator.manual_seed(seed * 1_000_003 + global_step)  # as the eager path: same examples
-            step_indices.append(indices)
-            step_uniforms.append(data.draw(len(indices), self.generator))
-        indices, uniforms = torch.cat(step_indices), torch.cat(step_uniforms)
-        lengths = data.lengths_of(indices, uniforms)
-        length_sums = [0, *itertools.accumulate(lengths.tolist())]
-        target_sums = [0, *itertools.accumulate(data.trained_targets(indices, lengths).tolist())]
-        # Each step's rows split over the processes as the eager path splits them (torch.tensor_split); every
-        # process takes the largest slice's bucket, and pads its own slice to `rows` with invalid rows.
-        grid = self.rows * self.seq_len
-        rows = torch.full((count, self.rows), -1, dtype=torch.long)  # row of `indices` (-1: padding)
-        capacities, trained_targets, start = [], [], 0
-        for step, batch in enumerate(map(len, step_indices)):
-            slices = tensor_split_bounds(batch, self.world)
-            tokens = [length_sums[start + end] - length_sums[start + begin] for begin, end in slices]
-            capacities.append(max(packed_size(slice_tokens, self.bucket, grid) for slice_tokens in tokens))
-            trained_targets.append(target_sums[start + batch] - target_sums[start])
-            begin, end = slices[self.rank]
-            rows[step, : end - begin] = torch.arange(start + begin, start + end)
-            start += batch
-        valid = rows >= 0
-        rows = rows.clamp(min=0)
-        plan = PackedSteps(
-            first=first_step,
-            capacities=capacities,
-            indices=torch.where(valid, indices[rows], 0),
-            valid=valid,
-            uniforms=torch.where(valid[..., None], uniforms[rows], 0.0),
-            token_index=packed_token_indices(torch.where(valid, lengths[rows], 0), self.seq_len, capacities),
-            token_offsets=[0, *itertools.accumulate(capacities)],
-            trained_targets=torch.tensor(trained_targets, dtype=torch.float32),
-        )
-        return plan.pin() if self.device.type == "cuda" else plan
 
     # -- capture and replay ----------------------------------------------------------------------------------------
     def _snapshot(self):

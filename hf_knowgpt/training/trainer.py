@@ -361,8 +361,7 @@ class KnowGPTTrainer:
         return self._epoch_order(epoch)[first : first + self.args.batch_size]
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
-        """The examples of an epoch in the order its batches take them; the last epoch's is kept, since every
-        step of it asks (a permutation of all examples per step cost the host more than some steps take)."""
+        """The examples of an epoch in the order its batches take them, kept for the epoch's other steps."""
         if self._kept_order is None or self._kept_order[0] != epoch:
             if self.args.shuffle:
                 generator = torch.Generator().manual_seed(self.args.seed * 7919 + epoch)
