@@ -222,10 +222,10 @@ def test_the_graphed_step_body_matches_the_eager_step(pretraining_data, tmp_path
 @pytest.mark.parametrize("kind", ["pretraining", "augmented"])
 @pytest.mark.parametrize("world, rank", [(1, 0), (2, 1), (3, 0), (3, 2)])
 def test_packed_steps_made_ready_together_are_each_steps_own(pretraining_data, tmp_path, kind, world, rank):
-    """The host makes packed steps ready many at a time (`packed_steps.plan_packed_steps`): what each copies to the device is
-    what the step alone gives (the eager path's seed per step, this process's slice of the batch padded, the
-    largest slice's bucket), however many are made ready together, across epochs and their smaller last
-    batches, with the examples shuffled."""
+    """The host makes packed steps ready many at a time (`packed_steps.plan_packed_steps`): what each copies
+    to the device is what the step alone gives (the eager path's seed per step, this process's slice of the
+    batch padded, the largest slice's bucket), however many are made ready together, across epochs and their
+    smaller last batches, with the examples shuffled."""
     tokenizer, pretraining = pretraining_data
     data = pretraining if kind == "pretraining" else augmented_mixed_data(tokenizer)
     trainer = make_trainer(tmp_path, data, fresh_model(len(tokenizer)), graphed=True)
