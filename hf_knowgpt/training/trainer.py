@@ -361,27 +361,22 @@ class KnowGPTTrainer:
         return self._epoch_order(epoch)[first : first + self.args.batch_size]
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
-        """The examples of an epoch in the order its batches take them, kept for the epoch's other steps."""
+        """`epoch_order(epoch)`, kept for the epoch's other steps."""
         if self._kept_order is None or self._kept_order[0] != epoch:
-            if self.args.shuffle:
-                generator = torch.Generator().manual_seed(self.args.seed * 7919 + epoch)
-                order = torch.randperm(self.data.num_examples, generator=generator)
-            else:
-                order = torch.arange(self.data.num_examples)
-            self._kept_order = (epoch, order)
+            self._kept_order = (epoch, self.epoch_order(epoch))
         return self._kept_order[1]
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The examples of an epoch in the order its batches take them: file order, or shuffled by the seed."""
+        if not self.args.shuffle:
+            return torch.arange(self.data.num_examples)
+        generator = torch.Generator().manual_seed(self.args.seed * 7919 + epoch)
+        return torch.randperm(self.data.num_examples, generator=generator)
 
     def device_orders(self):
         if not self.args.shuffle:
             return None
-        return torch.stack(
-            [
-                torch.randperm(
-                    self.data.num_examples, generator=torch.Generator().manual_seed(self.args.seed * 7919 + e)
-                )
-                for e in range(self.args.max_epochs)
-            ]
-        ).to(self.accelerator.device)
+        return torch.stack([self.epoch_order(e) for e in range(self.args.max_epochs)]).to(self.accelerator.device)
 
     def _make_optimizer(self, graphed: bool):
         args, device = self.args, self.accelerator.device
