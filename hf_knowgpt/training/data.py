@@ -356,7 +356,7 @@ def _kept_prefixes(lengths: torch.Tensor, seq_len: int, extra: torch.Tensor) -> 
     left = extra[:, None] - torch.where(full_rounds > 0, before, 0)
     eligible = padding > full_rounds  # rows with a position left after the full rounds
     last_round_rows = eligible & (eligible.cumsum(1) <= left)
-    return torch.minimum(lengths + full_rounds, torch.tensor(seq_len)) + last_round_rows
+    return (lengths + full_rounds).clamp(max=seq_len) + last_round_rows
 
 
 __all__ = [
