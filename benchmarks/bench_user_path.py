@@ -21,6 +21,9 @@ On a GPU, in one run:
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
    recipe (650 pretraining epochs, 10 finetuning epochs, 500 questions) added at the measured rates, or
    their whole recipe with --handout_epochs all.
+Run it with the python of `benchmarks/pip_environment.py` to time what `pip install -e .` installs and nothing
+more on a machine whose image has more (transformers imports scipy and torchvision when they are there); the
+JSON and the table name the python and which of those packages it could import.
 The table ends with where a run's seconds go: start-up, imports, data, loading what earlier runs compiled,
 compilation and capture, steps, saving, evaluation and exit, from the marks train.py writes into results.json
 (`timeline`) and each stage's `load_seconds` and `warmup_seconds`.
@@ -29,6 +32,7 @@ A table is printed last; --output writes JSON.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -105,6 +109,17 @@ def best_of(command, runs=3) -> float:
         subprocess.run([str(c) for c in command], check=True, capture_output=True, cwd=REPO_ROOT)
         times.append(time.perf_counter() - started)
     return min(times)
+
+
+# Packages the README's install does not bring that transformers imports when present (scipy's optimizers and
+# torchvision, for its object-detection losses) or that GPU images often carry (scikit-learn).
+EXTRA_PACKAGES = ("scipy", "torchvision", "sklearn")
+
+
+def environment() -> dict:
+    """The python that runs the commands, and which of EXTRA_PACKAGES it can import."""
+    present = [name for name in EXTRA_PACKAGES if importlib.util.find_spec(name) is not None]
+    return {"python": sys.executable, "prefix": sys.prefix, "extra_packages_present": present}
 
 
 def startup_times() -> dict:
@@ -197,7 +212,8 @@ def main(argv=None):
         if len(epochs) != 3 or epochs[0] < 2 or epochs[1] < 2 or epochs[2] < 1:
             parser.error(f"--handout_epochs takes 'all' or P,F,Q with P, F ≥ 2 and Q ≥ 1, got {args.handout_epochs!r}")
 
-    results = {"startup": startup_times()}
+    results = {"environment": environment(), "startup": startup_times()}
+    print(json.dumps(results["environment"]), flush=True)
     print(json.dumps(results["startup"]), flush=True)
     if not args.startup_only:
         import torch
@@ -269,6 +285,8 @@ def main(argv=None):
 
     startup = results["startup"]
     print(f"\n{results.get('device', 'start-up only')}; whole processes, as a user waits")
+    present = results["environment"]["extra_packages_present"]
+    print(f"python {sys.executable}; of {', '.join(EXTRA_PACKAGES)} it imports: {', '.join(present) or 'none'}")
     print(f"{'import hf_knowgpt':<64}{startup['import_hf_knowgpt_s']:>8.2f} s")
     print(f"{'scripts/pretrain.py --help':<64}{startup['pretrain_help_s']:>8.2f} s")
     print(f"{'scripts/train.py --help':<64}{startup['train_help_s']:>8.2f} s")
