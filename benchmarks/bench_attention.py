@@ -16,8 +16,7 @@ as SDPA in fp32 with the bias in its mask (what the synthesizer ran before) agai
 and the unfused kernel compute every position whatever the lengths. `dropout`: the default kernel taking
 four dropout uniforms from each Philox evaluation, one, or running without dropout. `correction`: the
 backward pass's softmax correction dOᵢ·Oᵢ computed by a kernel of its own or in every backward program.
-`launch`: warps, software-pipelining stages and (backward) block size of each kernel alone, and the backward
-pass's two halves by programs of their own (`BACKWARD_PHASES_APART`). Each group's
+`launch`: warps, software-pipelining stages and (backward) block size of each kernel alone. Each group's
 first kernel is its baseline, for the speed ratio and the differences.
 """
 
@@ -254,10 +253,6 @@ def main():
         "backward blocks of 32, 2 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 2}},
         "backward blocks of 32, 4 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 4}},
         "backward blocks of 32, 8 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 8}},
-        "backward phases apart": {"BACKWARD_PHASES_APART": True},
-        "backward phases apart, 1 warp": {"BACKWARD_PHASES_APART": True, "BACKWARD_NUM_WARPS": {16: 1}},
-        "backward phases apart, 4 warps": {"BACKWARD_PHASES_APART": True, "BACKWARD_NUM_WARPS": {16: 4}},
-        "backward phases apart, blocks of 32": {"BACKWARD_PHASES_APART": True, "BACKWARD_BLOCK_SIZE": 32},
     }
     groups["launch"] = {"launch: triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {})}
     for name, constants in launches.items():

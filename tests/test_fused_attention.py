@@ -58,15 +58,13 @@ KERNEL_VARIANTS = {
     "as-is": {},
     "one-uniform-per-draw": {"UNIFORMS_PER_DRAW": 1},
     "correction-in-backward": {"PRECOMPUTED_CORRECTION": False},
-    "backward-phases-apart": {"BACKWARD_PHASES_APART": True},
 }
 
 
 @pytest.fixture(params=list(KERNEL_VARIANTS))
 def kernel_variant(request, monkeypatch):
     """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation instead
-    of four, the backward pass's softmax correction recomputed by every backward program, or its keys' and
-    values' gradients and its queries' by programs of their own."""
+    of four, or the backward pass's softmax correction recomputed by every backward program."""
     for name, value in KERNEL_VARIANTS[request.param].items():
         monkeypatch.setattr(fused_attention, name, value)
     return request.param
@@ -266,43 +264,6 @@ def test_keys_by_position_with_a_bias(block_size, packed):
     with pytest.raises(ValueError, match="rotary needs keys per token"):
         cos, sin = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0)
         fused_causal_attention(query, table, value, 1.0, rotary=(cos, sin))
-
-
-@needs_kernel
-@pytest.mark.parametrize("call", ["lengths", "packed-rotary", "key-table-bias"])
-def test_backward_phases_apart_give_the_phases_together(block_size, call, monkeypatch):
-    """The keys' and values' gradients and the queries' computed by programs of their own
-    (`BACKWARD_PHASES_APART`) are bit for bit those of programs that compute both, with padding, packed
-    tokens, rotary tables, and a table of keys by position with a bias."""
-    torch.manual_seed(0)
-    batch, heads, length, head_dim, dropout_p = 4, 2, 70, 16, 0.2
-    lengths = torch.tensor([70, 5, 33, 64], device=DEVICE)
-    query, key, value = head_inputs(batch, heads, length, head_dim, torch.bfloat16, True)
-    inputs, options = (
-        [query, key, value],
-        dict(seed=torch.tensor([7], dtype=torch.int64, device=DEVICE), lengths=lengths),
-    )
-    if call == "packed-rotary":
-        real = torch.arange(length, device=DEVICE) < lengths[:, None]  # (B, T)
-        inputs = [states.detach().transpose(1, 2)[real].requires_grad_() for states in inputs]
-        cos, sin = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0)
-        options.update(starts=lengths.cumsum(0) - lengths, seq_len=length, rotary=(cos, sin))
-    elif call == "key-table-bias":
-        inputs[1] = torch.randn(length, head_dim, device=DEVICE).to(torch.bfloat16).requires_grad_()
-        options["bias"] = torch.randn(length, device=DEVICE, requires_grad=True)
-        inputs.append(options["bias"])
-
-    def gradients(apart):
-        monkeypatch.setattr(fused_attention, "BACKWARD_PHASES_APART", apart)
-        out = fused_causal_attention(*inputs[:3], 0.25, dropout_p, **options)
-        return torch.autograd.grad(
-            out, inputs, torch.randn_like(out, generator=torch.Generator(DEVICE).manual_seed(1))
-        )
-
-    together, apart = gradients(False), gradients(True)
-    for name, got, want in zip(("query", "key", "value", "bias"), apart, together):
-        assert torch.equal(got, want), f"gradient of {name}"
-    assert all(grad.abs().sum() > 0 for grad in together)
 
 
 @pytest.mark.skipif(

@@ -67,10 +67,6 @@ BACKWARD_NUM_STAGES = None
 # by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
 # --groups correction, H100).
 PRECOMPUTED_CORRECTION = True
-# The backward pass's two halves, the keys' and values' gradients and the queries', by programs of their own
-# (True: twice the programs, each looping over at most the sequence's blocks, with half the accumulators), or
-# both by each program (False).
-BACKWARD_PHASES_APART = False
 # Dropout uniforms taken from each Philox evaluation: 4, all it gives, or 1. Four made the kernel 7% faster
 # (0.117 against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100).
 UNIFORMS_PER_DRAW = 4
@@ -366,75 +362,64 @@ if triton is not None:
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
-        PRECOMPUTED: tl.constexpr, PHASES_APART: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECOMPUTED: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
-        them), then of queries i (over the key blocks they see), so no two programs write one gradient; with
-        PHASES_APART, the two by programs of their own (a grid twice as long: keys and values first). With
-        ROTARY, Q and K are the forward pass's rotated copies. With KEY_TABLE, each program writes its share
-        of the keys' gradient (and with HAS_BIAS of the bias's) for the caller to sum."""
+        them), then of queries i (over the key blocks they see), so no two programs write one gradient.
+        With ROTARY, Q and K are the forward pass's rotated copies. With KEY_TABLE, each program writes its
+        share of the keys' gradient (and with HAS_BIAS of the bias's) for the caller to sum."""
         block, program = tl.program_id(0), tl.program_id(1)
-        if PHASES_APART:
-            blocks = tl.cdiv(seq_len, BLOCK)
-            keys_phase = block < blocks
-            queries_phase = block >= blocks
-            block = block % blocks
-        else:
-            keys_phase = True
-            queries_phase = True
         b, h = program // n_head, program % n_head
         length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
         key_start = _key_start(start, KEY_TABLE)
         positions, dims = block * BLOCK + tl.arange(0, BLOCK), tl.arange(0, HEAD_DIM)
-        if keys_phase:
-            grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-            grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-            grad_scores_sum = tl.zeros((BLOCK, BLOCK), tl.float32)  # over query blocks; summed over rows below
-            if block * BLOCK < length:
-                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, key_start)
-                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
-                for query_block in range(block, tl.cdiv(length, BLOCK)):
-                    rows = query_block * BLOCK + tl.arange(0, BLOCK)
-                    q, grad_out, lse, correction = _query_terms(
-                        Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
-                        sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
-                    )  # fmt: skip
-                    kept_weights, grad_scores = _weight_gradients(
-                        q, k, v, grad_out, lse, correction, BIAS, rows, block * BLOCK, length, SEED, program,
-                        SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
-                    )  # fmt: skip
-                    grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
-                    grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
-                    if HAS_BIAS:
-                        grad_scores_sum += grad_scores
-            # The scores' gradients times the scale: those of Q Kᵀ; rotated keys' gradients turned back.
-            grad_k = _rotate(grad_k * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
-            if KEY_TABLE:  # every position's row of this program's share, zeros past the sequence
-                _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, 0, seq_len)
-            else:
-                _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
-            if HAS_BIAS:
-                grad_bias = tl.sum(grad_scores_sum, 0)
-                tl.store(GRAD_BIAS + program * seq_len + positions, grad_bias, mask=positions < seq_len)
-            _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
-        if queries_phase:
-            grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
-            if block * BLOCK < length:
+        grad_k = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        grad_v = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        grad_q = tl.zeros((BLOCK, HEAD_DIM), tl.float32)
+        grad_scores_sum = tl.zeros((BLOCK, BLOCK), tl.float32)  # over query blocks; summed over rows at the end
+        if block * BLOCK < length:
+            k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, positions, dims, length, key_start)
+            v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, positions, dims, length, start)
+            for query_block in range(block, tl.cdiv(length, BLOCK)):
+                rows = query_block * BLOCK + tl.arange(0, BLOCK)
                 q, grad_out, lse, correction = _query_terms(
-                    Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, positions, dims, length, start, seq_len,
-                    n_head, sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
+                    Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, rows, dims, length, start, seq_len, n_head,
+                    sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
                 )  # fmt: skip
-                for key_block in range(0, block + 1):
-                    cols = key_block * BLOCK + tl.arange(0, BLOCK)
-                    k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, key_start)
-                    v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
-                    _, grad_scores = _weight_gradients(
-                        q, k, v, grad_out, lse, correction, BIAS, positions, key_block * BLOCK, length, SEED,
-                        program, SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
-                    )  # fmt: skip
-                    grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
-            grad_q = _rotate(grad_q * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
-            _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
+                kept_weights, grad_scores = _weight_gradients(
+                    q, k, v, grad_out, lse, correction, BIAS, rows, block * BLOCK, length, SEED, program,
+                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
+                )  # fmt: skip
+                grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
+                grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
+                if HAS_BIAS:
+                    grad_scores_sum += grad_scores
+            q, grad_out, lse, correction = _query_terms(
+                Q, GRAD_OUT, OUT32, CORRECTION, LSE, program, b, h, positions, dims, length, start, seq_len, n_head,
+                sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
+            )  # fmt: skip
+            for key_block in range(0, block + 1):
+                cols = key_block * BLOCK + tl.arange(0, BLOCK)
+                k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, key_start)
+                v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
+                _, grad_scores = _weight_gradients(
+                    q, k, v, grad_out, lse, correction, BIAS, positions, key_block * BLOCK, length, SEED, program,
+                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
+                )  # fmt: skip
+                grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
+        # The scores' gradients times the scale: those of Q Kᵀ. Rotated queries' and keys' gradients are
+        # turned back: those of the inputs.
+        grad_k = _rotate(grad_k * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
+        grad_q = _rotate(grad_q * SCALE, positions, COS, SIN, seq_len, HEAD_DIM, ROTARY, True)
+        if KEY_TABLE:  # every position's row of this program's share, zeros past the sequence
+            _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, 0, seq_len)
+        else:
+            _store(GRAD_K, grad_k, b, h, sgk_b, sgk_h, sgk_t, sgk_d, positions, dims, length, start, limit)
+        if HAS_BIAS:
+            grad_bias = tl.sum(grad_scores_sum, 0)
+            tl.store(GRAD_BIAS + program * seq_len + positions, grad_bias, mask=positions < seq_len)
+        _store(GRAD_V, grad_v, b, h, sgv_b, sgv_h, sgv_t, sgv_d, positions, dims, length, start, limit)
+        _store(GRAD_Q, grad_q, b, h, sgq_b, sgq_h, sgq_t, sgq_d, positions, dims, length, start, limit)
 
     def _layout(query, starts, seq_len):
         """(batch, heads, length, head_dim) of a call, and how to read a tensor's (b, h, t, d) strides:
@@ -457,11 +442,10 @@ if triton is not None:
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
             SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
             KEY_TABLE=key_table, HAS_BIAS=bias is not None, UNIFORMS=UNIFORMS_PER_DRAW,
-            PRECOMPUTED=PRECOMPUTED_CORRECTION, PHASES_APART=BACKWARD_PHASES_APART, INTERPRETED=_interpreted(),
+            PRECOMPUTED=PRECOMPUTED_CORRECTION, INTERPRETED=_interpreted(),
         )  # fmt: skip
         options = {name: value for name, value in options.items() if name in kernel.arg_names}
         backward = kernel is _backward_kernel
-        programs = triton.cdiv(length, block) * (2 if backward and BACKWARD_PHASES_APART else 1)
         options["num_warps"] = ((BACKWARD_NUM_WARPS if backward else None) or NUM_WARPS).get(block, 4)
         stages = (BACKWARD_NUM_STAGES if backward else None) or NUM_STAGES
         if stages is not None:
@@ -470,7 +454,7 @@ if triton is not None:
             return lambda *arguments: _recording.append(
                 (kernel, {**dict(zip(kernel.arg_names, (*arguments, heads, length))), **options})
             )
-        launcher = torch.library.wrap_triton(kernel)[(programs, batch * heads)]
+        launcher = torch.library.wrap_triton(kernel)[(triton.cdiv(length, block), batch * heads)]
         return lambda *arguments: launcher(*arguments, heads, length, **options)
 
     def _pointers(device, *optional):
