@@ -1,5 +1,6 @@
 """Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
-linear layers of one input run as one matrix product (`project`), and the causal-LM loss (`causal_lm_loss`)."""
+linear layers (`linear`) and those of one input run as one matrix product (`project`), and the causal-LM loss
+(`causal_lm_loss`)."""
 
 import torch
 from torch import nn
@@ -31,25 +32,64 @@ def _unchanged(states: torch.Tensor) -> torch.Tensor:
     return states
 
 
-def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
-    """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
-    Plain ones run as one product of their concatenated weights (one kernel instead of several, forward and
-    backward, and one `place`); layers that are replaced or hooked run as the modules they are: adapters,
-    and accelerate's offloading (`device_map`), which swaps a layer's `forward` for one that first brings its
-    weights in."""
-    if place is None:  # not `place or …`: torch 2.11's dynamo cannot take the truth of a bound method
-        place = _unchanged
-    plain = all(
+def _plain(layer) -> bool:
+    """An nn.Linear with a bias, neither replaced nor hooked: adapters, and accelerate's offloading (`device_map`),
+    which swaps a layer's `forward` for one that first brings its weights in, need the module to run."""
+    return (
         type(layer) is nn.Linear
         and layer.bias is not None
         and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in vars(layer))
-        for layer in layers
     )
-    if not plain:
+
+
+# Plain linear layers' bias gradients by the column-sum kernel (hf_knowgpt.kernels.column_sums) on these devices,
+# instead of autograd's sum over the tokens: the handout recipe's steps 0.7-0.9 s shorter in three pairs of runs
+# (H200, benchmarks/RESULTS.md). False: autograd's everywhere.
+BIAS_GRADIENT_KERNEL = True
+BIAS_GRADIENT_KERNEL_DEVICES = ("cuda",)
+
+
+def _summed_bias_linear(states: torch.Tensor, bias: torch.Tensor):
+    """The kernel module's `linear_with_summed_bias_gradient` where it applies (training on a device of
+    BIAS_GRADIENT_KERNEL_DEVICES with Triton), else None."""
+    if not (
+        BIAS_GRADIENT_KERNEL
+        and states.device.type in BIAS_GRADIENT_KERNEL_DEVICES
+        and bias.requires_grad
+        and torch.is_grad_enabled()
+    ):
+        return None
+    try:  # the package's kernel: a checkpoint's own copy of this code runs without it
+        from hf_knowgpt.kernels.column_sums import column_sums_available, linear_with_summed_bias_gradient
+    except ModuleNotFoundError:
+        return None
+    return linear_with_summed_bias_gradient if column_sums_available() else None
+
+
+def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    summed_bias_linear = _summed_bias_linear(states, bias)
+    if summed_bias_linear is None:
+        return F.linear(states, weight, bias)
+    return summed_bias_linear(states, weight, bias)
+
+
+def linear(layer: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+    """layer(states); a plain layer (`_plain`) takes its bias gradient by the column-sum kernel where
+    BIAS_GRADIENT_KERNEL says so."""
+    return _linear(states, layer.weight, layer.bias) if _plain(layer) else layer(states)
+
+
+def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
+    """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
+    Plain ones (`_plain`) run as one product of their concatenated weights (one kernel instead of several,
+    forward and backward, and one `place`); others run as the modules they are."""
+    if place is None:  # not `place or …`: torch 2.11's dynamo cannot take the truth of a bound method
+        place = _unchanged
+    if not all(_plain(layer) for layer in layers):
         return [place(layer(hidden_states)) for layer in layers]
     weight = torch.cat([layer.weight for layer in layers])
     bias = torch.cat([layer.bias for layer in layers])
-    projected = place(F.linear(hidden_states, weight, bias))
+    projected = place(_linear(hidden_states, weight, bias))
     return list(projected.split([layer.out_features for layer in layers], dim=-1))
 
 
@@ -75,4 +115,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = ["KnowGPTDropout", "causal_lm_loss", "project"]
+__all__ = ["KnowGPTDropout", "causal_lm_loss", "linear", "project"]

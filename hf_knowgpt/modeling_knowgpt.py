@@ -38,7 +38,7 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, causal_lm_loss
+from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, linear
 
 logger = logging.get_logger(__name__)
 
@@ -83,7 +83,7 @@ class KnowGPTMLP(nn.Module):
     def forward(self, hidden_states):
         # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
         # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
-        return self.dropout(self.proj(self.act(self.fc(hidden_states))))
+        return self.dropout(self.proj(self.act(linear(self.fc, hidden_states))))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):

@@ -1,0 +1,142 @@
+"""The column-sum kernel (hf_knowgpt.kernels.column_sums) sums a matrix's rows as torch does, and the linear layers
+that take their bias gradient from it (`layers_knowgpt.BIAS_GRADIENT_KERNEL`) train as autograd's do.
+
+The kernel tests need Triton and either a CUDA device or Triton's interpreter on the CPU
+(`TRITON_INTERPRET=1 python -m pytest tests/test_column_sums.py`).
+"""
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE as DEVICE
+from conftest import needs_kernel, tiny_config
+
+from hf_knowgpt import layers_knowgpt
+from hf_knowgpt.kernels import column_sums as column_sums_module
+from hf_knowgpt.kernels.column_sums import column_sums, linear_with_summed_bias_gradient
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,cols", [(1, 96), (300, 257), (1100, 64), (2049, 768)])
+def test_kernel_sums_every_column_over_every_row(rows, cols, dtype):
+    """fp32 sums of every column, whatever the row count against the strips (one row; more rows than strips
+    hold at once) and the column count against the blocks (257: a partial block)."""
+    torch.manual_seed(0)
+    matrix = torch.randn(rows, cols, device=DEVICE).to(dtype)
+    got = column_sums(matrix)
+    want = matrix.double().sum(0)
+    assert got.dtype == torch.float32 and got.shape == (cols,)
+    # fp32 sums of up to ~2000 terms of size ~1: off by a few units of fp32's last place of the partial sums
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_column_sums_takes_a_matrix():
+    with pytest.raises(ValueError, match=r"takes a \(rows, columns\) matrix, got shape \(2, 3, 4\)"):
+        column_sums(torch.zeros(2, 3, 4))
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+def test_linear_with_summed_bias_gradient_is_autograds_linear(autocast):
+    """The layer's output and gradients are F.linear's under the same autocast: the products bit for bit, the
+    bias gradient summed in fp32 where autograd rounds its sum to bf16 first (by the kernel on a CUDA device or
+    under Triton's interpreter, else by torch)."""
+    torch.manual_seed(0)
+    states = torch.randn(3, 50, 32, device=DEVICE, requires_grad=True)
+    weight = torch.randn(96, 32, device=DEVICE, requires_grad=True)
+    bias = torch.randn(96, device=DEVICE, requires_grad=True)
+    grad = torch.randn(3, 50, 96, device=DEVICE)
+    results = []
+    for summed in (False, True):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            if summed:
+                out = linear_with_summed_bias_gradient(states, weight, bias)
+            else:
+                out = torch.nn.functional.linear(states, weight, bias)
+        results.append((out, *torch.autograd.grad(out, (states, weight, bias), grad.to(out.dtype))))
+    (out, grad_states, grad_weight, grad_bias), (out2, grad_states2, grad_weight2, grad_bias2) = results
+    assert out2.dtype == out.dtype and torch.equal(out2, out)
+    assert grad_states2.dtype == torch.float32 and grad_weight2.dtype == torch.float32
+    torch.testing.assert_close(grad_states2, grad_states, rtol=0, atol=0)
+    torch.testing.assert_close(grad_weight2, grad_weight, rtol=0, atol=0)
+    exact = grad.to(out.dtype).double().sum((0, 1))
+    torch.testing.assert_close(grad_bias2.double(), exact, rtol=1e-5, atol=1e-4)
+    # autograd's sum is rounded to the products' dtype, within one of its units of the kernel's; in fp32 both
+    # sums are fp32's, of 150 terms in another order: a few units of their partial sums apart
+    unit = 2**-8 if autocast else 2**-16
+    torch.testing.assert_close(grad_bias, grad_bias2, rtol=unit, atol=unit * exact.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers take the kernel on CUDA tensors only")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_trains_alike_with_the_bias_gradient_kernel(compiled, monkeypatch):
+    """A model's loss and every parameter's gradient under bf16 autocast are the same with the attention's and
+    the MLP's first bias gradients by the kernel (compiled by inductor, or not) as without."""
+    from hf_knowgpt import KnowGPTForCausalLM
+
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)).cuda().train()
+    ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
+    seen = []
+    for kernel in (False, True):
+        monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL", kernel)
+        model.zero_grad()
+        step = torch.compile(model, dynamic=False) if compiled else model
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(input_ids=ids, labels=ids).loss
+        loss.backward()
+        seen.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        torch._dynamo.reset()
+    (loss, grads), (loss2, grads2) = seen
+    torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        # The bias gradients differ by autograd's bf16 rounding of its sums. The rest are the same products and
+        # sums, bit for bit eager; compiled, inductor fuses the two graphs' kernels apart, and the fp32 sums of
+        # a gradient (the embedding's, say) may come in another order (an H200 gave 1.5e-8 apart, 3.5e-6 of it).
+        summed = name.endswith(("fc.bias", "attn.query.bias", "attn.key.bias", "attn.value.bias"))
+        largest = grad.abs().max().item()
+        if summed:
+            tolerance = dict(rtol=2**-7, atol=2**-7 * largest)
+        else:
+            tolerance = dict(rtol=2**-16, atol=2**-16 * largest) if compiled else dict(rtol=0, atol=0)
+        torch.testing.assert_close(grads2[name], grad, **tolerance, msg=lambda text, n=name: f"{n}: {text}")
+
+
+def test_linear_with_summed_bias_gradient_of_a_bias_alone():
+    """Only the bias trained (inputs and weight frozen, as BitFit trains): its gradient, and no product for the
+    others."""
+    torch.manual_seed(0)
+    states, weight = torch.randn(2, 5, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    bias = torch.randn(4, device=DEVICE, requires_grad=True)
+    grad = torch.randn(2, 5, 4, device=DEVICE)
+    out = linear_with_summed_bias_gradient(states, weight, bias)
+    (grad_bias,) = torch.autograd.grad(out, bias, grad)
+    torch.testing.assert_close(grad_bias, grad.sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_take_the_kernel_path_in_one_compiled_graph(monkeypatch):
+    """The model's linear layers (`layers_knowgpt.linear`, `project`) choose the kernel's path inside a graph that
+    torch.compile captures whole, as the compiled training step is (fullgraph): here on the CPU, the kernel's
+    path allowed there and its sums falling back to torch's. The path is the one taken: under bf16 autocast its
+    bias gradients are fp32 sums, where autograd's are rounded to bf16."""
+    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(column_sums_module, "column_sums_available", lambda: True)
+    torch.manual_seed(0)
+    fc, query, key = (torch.nn.Linear(16, 48) for _ in range(3))
+    states = torch.randn(40, 16, requires_grad=True)
+
+    def layers(states):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first = layers_knowgpt.linear(fc, states)
+            second, third = layers_knowgpt.project(states, (query, key))
+        return (first.float() ** 2).sum() + (second.float() * third.float()).sum()
+
+    parameters = [states, fc.bias, query.bias, key.bias, fc.weight]
+    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL", False)
+    by_autograd = torch.autograd.grad(layers(states), parameters)
+    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL", True)
+    compiled = torch.compile(layers, fullgraph=True, backend="aot_eager")
+    by_kernel = torch.autograd.grad(compiled(states), parameters)
+    for name, got, want in zip(("states", "fc.bias", "query.bias", "key.bias", "fc.weight"), by_kernel, by_autograd):
+        unit = 2**-7 * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=unit, msg=lambda text, n=name: f"{n}: {text}")
+    assert not torch.equal(by_kernel[1], by_autograd[1]), "the bias gradient was autograd's bf16 sum"
