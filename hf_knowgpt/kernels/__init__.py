@@ -1,6 +1,7 @@
-"""Attention kernels the model can run (`attn_implementation="triton"`): `fused_attention`, a fused causal
-attention kernel for short bf16 sequences in Triton. The model imports it on first use, by its absolute name:
-checkpoints do not carry it, and their code runs SDPA where the package is not installed."""
+"""Triton kernels the model can run: `fused_attention`, a fused causal attention kernel for short bf16 sequences
+(`attn_implementation="triton"`), and `column_sums`, the linear layers' bias gradients while training on a GPU.
+The model imports them on first use, by their absolute names: checkpoints do not carry them, and their code runs
+SDPA and autograd's sums where the package is not installed."""
 
 import os
 import sys
