@@ -20,7 +20,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_attention import graphed  # noqa: E402
+from benchmarks.bench_attention import graphed_ms  # noqa: E402
 
 TOKENS, CALLS, REPLAYS = 7680, 20, 50
 
@@ -84,16 +84,7 @@ def layer_norm_gradients(grad, x, mean, rstd):
 
 def microseconds(step) -> float:
     """Device µs per call of `step`, CALLS calls back to back in one graph, replayed REPLAYS times."""
-    replay = graphed(lambda: [step() for _ in range(CALLS)])
-    replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (REPLAYS * CALLS)
+    return 1000 * graphed_ms(lambda: [step() for _ in range(CALLS)], REPLAYS) / CALLS
 
 
 def main(argv=None):
