@@ -1,6 +1,6 @@
 """Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
-linear layers (`linear`) and those of one input run as one matrix product (`project`), LayerNorms (`layer_norm`), and
-the causal-LM loss (`causal_lm_loss`)."""
+linear layers (`linear`) and those of one input run as one matrix product (`project`), and the causal-LM loss
+(`causal_lm_loss`)."""
 
 import torch
 from torch import nn
@@ -46,30 +46,28 @@ def _plain(layer) -> bool:
 # instead of autograd's sum over the tokens: the handout recipe's steps 0.7-0.9 s shorter in three pairs of runs
 # (H200, benchmarks/RESULTS.md). False: autograd's everywhere.
 BIAS_GRADIENT_KERNEL = True
-# Plain LayerNorms' weight and bias gradients by the same kernel, both sums in one pass (False: autograd's).
-LAYER_NORM_GRADIENT_KERNEL = True
 BIAS_GRADIENT_KERNEL_DEVICES = ("cuda",)
 
 
-def _column_sums_function(enabled: bool, name: str, states: torch.Tensor, parameter: torch.Tensor):
-    """The kernel module's function `name` where it applies (`enabled`, training a parameter on a device of
+def _summed_bias_linear(states: torch.Tensor, bias: torch.Tensor):
+    """The kernel module's `linear_with_summed_bias_gradient` where it applies (training on a device of
     BIAS_GRADIENT_KERNEL_DEVICES with Triton), else None."""
     if not (
-        enabled
+        BIAS_GRADIENT_KERNEL
         and states.device.type in BIAS_GRADIENT_KERNEL_DEVICES
-        and parameter.requires_grad
+        and bias.requires_grad
         and torch.is_grad_enabled()
     ):
         return None
     try:  # the package's kernel: a checkpoint's own copy of this code runs without it
-        from hf_knowgpt.kernels import column_sums
+        from hf_knowgpt.kernels.column_sums import column_sums_available, linear_with_summed_bias_gradient
     except ModuleNotFoundError:
         return None
-    return getattr(column_sums, name) if column_sums.column_sums_available() else None
+    return linear_with_summed_bias_gradient if column_sums_available() else None
 
 
 def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    summed_bias_linear = _column_sums_function(BIAS_GRADIENT_KERNEL, "linear_with_summed_bias_gradient", states, bias)
+    summed_bias_linear = _summed_bias_linear(states, bias)
     if summed_bias_linear is None:
         return F.linear(states, weight, bias)
     return summed_bias_linear(states, weight, bias)
@@ -79,26 +77,6 @@ def linear(layer: nn.Linear, states: torch.Tensor) -> torch.Tensor:
     """layer(states); a plain layer (`_plain`) takes its bias gradient by the column-sum kernel where
     BIAS_GRADIENT_KERNEL says so."""
     return _linear(states, layer.weight, layer.bias) if _plain(layer) else layer(states)
-
-
-def layer_norm(layer: nn.LayerNorm, states: torch.Tensor) -> torch.Tensor:
-    """layer(states); a plain LayerNorm over the last dimension, with weight and bias of the states' dtype and
-    neither replaced nor hooked, takes its weight and bias gradients by the column-sum kernel where
-    LAYER_NORM_GRADIENT_KERNEL says so."""
-    plain = (
-        type(layer) is nn.LayerNorm
-        and len(layer.normalized_shape) == 1
-        and layer.weight is not None
-        and layer.bias is not None
-        and states.dtype == layer.weight.dtype == layer.bias.dtype
-        and not (layer._forward_hooks or layer._forward_pre_hooks or "forward" in vars(layer))
-    )
-    summed = plain and _column_sums_function(
-        LAYER_NORM_GRADIENT_KERNEL, "layer_norm_with_summed_parameter_gradients", states, layer.weight
-    )
-    if not summed:
-        return layer(states)
-    return summed(states, layer.weight, layer.bias, layer.eps)
 
 
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
@@ -137,4 +115,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = ["KnowGPTDropout", "causal_lm_loss", "layer_norm", "linear", "project"]
+__all__ = ["KnowGPTDropout", "causal_lm_loss", "linear", "project"]

@@ -38,7 +38,7 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, layer_norm, linear
+from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, linear
 
 logger = logging.get_logger(__name__)
 
@@ -101,7 +101,7 @@ class KnowGPTBlock(GradientCheckpointingLayer):
         self.mlp = KnowGPTMLP(config)
 
     def forward(self, hidden_states, grid, context, cache=None):
-        attended, weights = self.attn(layer_norm(self.ln1, hidden_states), grid, context, cache)
+        attended, weights = self.attn(self.ln1(hidden_states), grid, context, cache)
         if context.fused_layers:  # dropout, residual sum and ln2 in one kernel; the branch comes undropped
             ln2 = self.ln2
             hidden_states, normalized = _fused_layers().fused_residual_layer_norm(
@@ -109,7 +109,7 @@ class KnowGPTBlock(GradientCheckpointingLayer):
             )
             return hidden_states + self.mlp(normalized), weights
         hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(layer_norm(self.ln2, hidden_states)), weights
+        return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
 
 class KnowGPTPerceiverDownBlock(GradientCheckpointingLayer):
@@ -129,9 +129,9 @@ class KnowGPTPerceiverDownBlock(GradientCheckpointingLayer):
 
     def forward(self, input_key, input_value, visible, implementation="sdpa"):
         basis = self.C.expand(input_key.shape[0], -1, -1)
-        attended, weights = self.attn(layer_norm(self.ln1, basis), input_key, input_value, visible, implementation)
+        attended, weights = self.attn(self.ln1(basis), input_key, input_value, visible, implementation)
         latents = basis + attended
-        return latents + self.mlp(layer_norm(self.ln2, latents)), weights
+        return latents + self.mlp(self.ln2(latents)), weights
 
 
 class KnowGPTPerceiverUpBlock(GradientCheckpointingLayer):
@@ -149,10 +149,10 @@ class KnowGPTPerceiverUpBlock(GradientCheckpointingLayer):
         self.mlp = KnowGPTMLP(config)
 
     def forward(self, input_states, latents, grid: TokenGrid, visible, implementation="sdpa"):
-        key, value = self.attn.project_context(layer_norm(self.ln1, latents))
+        key, value = self.attn.project_context(self.ln1(latents))
         attended, weights = self.attn(grid.to_grid(input_states), key, value, visible, implementation)
         hidden_states = input_states + grid.from_grid(attended)
-        return hidden_states + self.mlp(layer_norm(self.ln2, hidden_states)), weights
+        return hidden_states + self.mlp(self.ln2(hidden_states)), weights
 
 
 class KnowGPTPreTrainedModel(PreTrainedModel):
@@ -384,7 +384,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
                 hidden_states, weights = block(hidden_states, grid, context, cache=cache)
                 states.append(hidden_states)
                 attentions.append(weights)
-        hidden_states = layer_norm(self.ln_f, hidden_states)
+        hidden_states = self.ln_f(hidden_states)
 
         output = _with_cache(
             BaseModelOutputWithPast,

@@ -3,7 +3,7 @@
 bias gradients and the LayerNorms' weight and bias gradients: about a sixth of the step's device time, at about
 1.1-1.3 TB/s in `results/h200_profile_handout_current.txt`), timed three ways at the step's size (7680 packed
 tokens): eager torch, inductor's kernels compiled for a symbolic token count as in the step, the package's kernel
-(`hf_knowgpt.kernels.column_sums`, its settings as they are), and the same kind of Triton kernel written here with
+for the bias gradients (`hf_knowgpt.kernels.column_sums`, its settings as they are), and the same kind of Triton kernel written here with
 other settings: each program sums a strip of rows of a block of columns, torch the strips' sums (`--configs`:
 block sizes, strips and warps). Each way runs `CALLS` times back to
 back in one CUDA graph, replayed; a table of µs per call and GB/s is printed last.
@@ -22,7 +22,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
-from hf_knowgpt.kernels.column_sums import column_sums, layer_norm_parameter_sums  # noqa: E402
+from hf_knowgpt.kernels.column_sums import column_sums  # noqa: E402
 
 TOKENS, CALLS, REPLAYS = 7680, 20, 50
 
@@ -112,7 +112,6 @@ def main(argv=None):
             ways = {
                 "eager torch": lambda i=inputs: layer_norm_gradients(*i),
                 "inductor": lambda i=inputs: compiled_norm(*i),
-                "hf_knowgpt kernel": lambda i=inputs: layer_norm_parameter_sums(*i)[::-1],
             }
         else:
             inputs = [torch.randn(TOKENS, width, device="cuda", dtype=torch.bfloat16)]

@@ -58,9 +58,7 @@ inductor's and Triton's caches are keyed on, computed when the step loads instea
 and model are made ready (`compiler-keys-when-loaded`, `compile_cache.prefetch_compiler_keys`); the loss summed
 over all the tokens at once, where the model sums 256 at a time and then those sums (`loss-one-level`,
 `layers_knowgpt.LOSS_CHUNK`); the attention's input projection's and the MLP's first bias gradients by
-autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`);
-the LayerNorms' weight and bias gradients by autograd's instead of that kernel (`layer-norm-gradients-by-autograd`,
-`layers_knowgpt.LAYER_NORM_GRADIENT_KERNEL`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -132,7 +130,6 @@ VARIANTS = {
     "no-memory-reuse": {"memory_reuse": False},
     "loss-one-level": {"loss_chunk": 0},
     "bias-gradient-by-autograd": {"bias_gradient_kernel": False},
-    "layer-norm-gradients-by-autograd": {"layer_norm_gradient_kernel": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
@@ -216,10 +213,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
         from hf_knowgpt import layers_knowgpt
 
         layers_knowgpt.BIAS_GRADIENT_KERNEL = settings["bias_gradient_kernel"]
-    if "layer_norm_gradient_kernel" in settings:
-        from hf_knowgpt import layers_knowgpt
-
-        layers_knowgpt.LAYER_NORM_GRADIENT_KERNEL = settings["layer_norm_gradient_kernel"]
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):
