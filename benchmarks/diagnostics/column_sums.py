@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Column sums over a step's tokens, as the compiled handout step's backward pass takes them (the linear layers'
 bias gradients and the LayerNorms' weight and bias gradients: about a sixth of the step's device time, at about
-1.1-1.3 TB/s in `results/h200_profile_handout_current.txt`), timed three ways at the step's size (7680 packed
-tokens): eager torch, inductor's kernels compiled for a symbolic token count as in the step, the package's kernel
-for the bias gradients (`hf_knowgpt.kernels.column_sums`, its settings as they are), and the same kind of Triton kernel written here with
-other settings: each program sums a strip of rows of a block of columns, torch the strips' sums (`--configs`:
-block sizes, strips and warps). Each way runs `CALLS` times back to
-back in one CUDA graph, replayed; a table of µs per call and GB/s is printed last.
+1.1-1.3 TB/s in `results/h200_profile_handout_current.txt`), timed at the step's size (7680 packed tokens): eager
+torch; inductor's kernels compiled for a symbolic token count, as in the step; for the bias gradients, the
+package's kernel (`hf_knowgpt.kernels.column_sums`, its settings as they are); and the same kind of Triton kernel
+written here, with the settings of `--configs` (block sizes, strips and warps): each program sums a strip of rows
+of a block of columns, torch the strips' sums. Each way runs `CALLS` times back to back in one CUDA graph,
+replayed; a table of µs per call and GB/s is printed last.
 
     python benchmarks/diagnostics/column_sums.py
 """
