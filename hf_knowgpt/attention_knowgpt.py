@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, project
+from .layers_knowgpt import KnowGPTDropout, linear, project
 
 
 def _fused_kernel():
@@ -348,7 +348,7 @@ def reads_packed_tokens(grid: "TokenGrid", context: "AttentionContext", cache, b
 def branch_output(layer: nn.Module, attended: torch.Tensor, context: AttentionContext) -> torch.Tensor:
     """An attention layer's heads projected back to the residual stream (`layer.proj`), dropped out
     (`layer.resid_dropout`) unless the block's fused residual kernel drops the branch out itself."""
-    projected = layer.proj(attended)
+    projected = linear(layer.proj, attended, bias_by_kernel=False)
     return projected if context.fused_layers else layer.resid_dropout(projected)
 
 

@@ -47,17 +47,17 @@ def _plain(layer) -> bool:
 # (H200, benchmarks/RESULTS.md). False: autograd's everywhere.
 BIAS_GRADIENT_KERNEL = True
 BIAS_GRADIENT_KERNEL_DEVICES = ("cuda",)
+# Plain linear layers' weight gradients, where their products are bf16 or fp16 under autocast on CUDA, as one
+# product written in fp32 (torch.mm's out_dtype) instead of a product rounded to bf16 and then cast to the fp32
+# weight's dtype; every plain layer, the narrow ones (`linear(..., bias_by_kernel=False)`) with their bias
+# gradients summed by torch in fp32. False: autograd's products.
+WEIGHT_GRADIENT_IN_FP32 = False
 
 
-def _summed_bias_linear(states: torch.Tensor, bias: torch.Tensor):
+def _linear_function(states: torch.Tensor, bias: torch.Tensor):
     """The kernel module's `linear_with_summed_bias_gradient` where it applies (training on a device of
     BIAS_GRADIENT_KERNEL_DEVICES with Triton), else None."""
-    if not (
-        BIAS_GRADIENT_KERNEL
-        and states.device.type in BIAS_GRADIENT_KERNEL_DEVICES
-        and bias.requires_grad
-        and torch.is_grad_enabled()
-    ):
+    if not (states.device.type in BIAS_GRADIENT_KERNEL_DEVICES and bias.requires_grad and torch.is_grad_enabled()):
         return None
     try:  # the package's kernel: a checkpoint's own copy of this code runs without it
         from hf_knowgpt.kernels.column_sums import column_sums_available, linear_with_summed_bias_gradient
@@ -66,17 +66,19 @@ def _summed_bias_linear(states: torch.Tensor, bias: torch.Tensor):
     return linear_with_summed_bias_gradient if column_sums_available() else None
 
 
-def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    summed_bias_linear = _summed_bias_linear(states, bias)
-    if summed_bias_linear is None:
+def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, bias_by_kernel: bool = True):
+    bias_by_kernel = bias_by_kernel and BIAS_GRADIENT_KERNEL
+    function = _linear_function(states, bias) if bias_by_kernel or WEIGHT_GRADIENT_IN_FP32 else None
+    if function is None:
         return F.linear(states, weight, bias)
-    return summed_bias_linear(states, weight, bias)
+    return function(states, weight, bias, bias_by_kernel, WEIGHT_GRADIENT_IN_FP32)
 
 
-def linear(layer: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+def linear(layer: nn.Linear, states: torch.Tensor, bias_by_kernel: bool = True) -> torch.Tensor:
     """layer(states); a plain layer (`_plain`) takes its bias gradient by the column-sum kernel where
-    BIAS_GRADIENT_KERNEL says so."""
-    return _linear(states, layer.weight, layer.bias) if _plain(layer) else layer(states)
+    BIAS_GRADIENT_KERNEL and `bias_by_kernel` say so (False: a layer too narrow for the kernel to pay), and its
+    weight gradient in fp32 where WEIGHT_GRADIENT_IN_FP32 says so."""
+    return _linear(states, layer.weight, layer.bias, bias_by_kernel) if _plain(layer) else layer(states)
 
 
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:

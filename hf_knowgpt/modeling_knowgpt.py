@@ -83,7 +83,7 @@ class KnowGPTMLP(nn.Module):
     def forward(self, hidden_states):
         # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
         # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
-        return self.dropout(self.proj(self.act(linear(self.fc, hidden_states))))
+        return self.dropout(linear(self.proj, self.act(linear(self.fc, hidden_states)), bias_by_kernel=False))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):

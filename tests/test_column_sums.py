@@ -150,3 +150,105 @@ def test_layers_take_the_kernel_path_in_one_compiled_graph(monkeypatch):
         unit = 2**-7 * want.abs().max().item()
         torch.testing.assert_close(got, want, rtol=2**-7, atol=unit, msg=lambda text, n=name: f"{n}: {text}")
     assert not torch.equal(by_kernel[1], by_autograd[1]), "the bias gradient was autograd's bf16 sum"
+
+
+def test_weight_gradient_in_fp32_falls_back_off_cuda():
+    """Off CUDA (no torch.mm with out_dtype there) the weight gradient asked in fp32 is autograd's product, bit for
+    bit; the bias gradient summed by torch (`bias_by_kernel=False`) is the fp32 sum."""
+    torch.manual_seed(0)
+    states = torch.randn(2, 30, 16, requires_grad=True)
+    weight = torch.randn(24, 16, requires_grad=True)
+    bias = torch.randn(24, requires_grad=True)
+    grad = torch.randn(2, 30, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = torch.nn.functional.linear(states, weight, bias)
+        asked = linear_with_summed_bias_gradient(states, weight, bias, False, True)
+    by_autograd = torch.autograd.grad(plain, (states, weight, bias), grad.to(plain.dtype))
+    by_function = torch.autograd.grad(asked, (states, weight, bias), grad.to(asked.dtype))
+    assert torch.equal(by_function[0], by_autograd[0]) and torch.equal(by_function[1], by_autograd[1])
+    exact = grad.to(torch.bfloat16).double().sum((0, 1))
+    torch.testing.assert_close(by_function[2].double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm takes out_dtype on CUDA only")
+@pytest.mark.parametrize("bias_by_kernel", [True, False], ids=["bias-by-kernel", "bias-by-torch"])
+def test_weight_gradient_in_fp32_is_the_unrounded_product(bias_by_kernel):
+    """Under bf16 autocast the weight gradient asked in fp32 is the product of the bf16 gradient and inputs
+    unrounded: within fp32's error of the exact product, where autograd's is rounded to bf16 (about 2^-9 of
+    each element apart). The input gradient stays autograd's, bit for bit."""
+    torch.manual_seed(0)
+    states = torch.randn(4, 500, 64, device="cuda", requires_grad=True)
+    weight = torch.randn(96, 64, device="cuda", requires_grad=True)
+    bias = torch.randn(96, device="cuda", requires_grad=True)
+    grad = torch.randn(4, 500, 96, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        plain = torch.nn.functional.linear(states, weight, bias)
+        asked = linear_with_summed_bias_gradient(states, weight, bias, bias_by_kernel, True)
+    by_autograd = torch.autograd.grad(plain, (states, weight, bias), grad.to(plain.dtype))
+    by_function = torch.autograd.grad(asked, (states, weight, bias), grad.to(asked.dtype))
+    assert torch.equal(by_function[0], by_autograd[0])
+    assert by_function[1].dtype == torch.float32
+    low_grad = grad.to(torch.bfloat16).double().reshape(-1, 96)
+    exact = low_grad.t() @ states.detach().to(torch.bfloat16).double().reshape(-1, 64)
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(by_function[1].double(), exact, rtol=2**-16, atol=2**-16 * scale)
+    assert (by_autograd[1].double() - exact).abs().max().item() > 2**-12 * scale, "autograd's was not rounded"
+    torch.testing.assert_close(by_function[2].double(), low_grad.sum(0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.mm takes out_dtype on CUDA only")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_trains_alike_with_weight_gradients_in_fp32(compiled, monkeypatch):
+    """A model's loss is the same and every gradient within bf16's rounding with every plain linear layer's
+    weight gradient written in fp32 (`layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`) as without; the weight gradients
+    are not autograd's bf16-rounded ones, so the path was taken."""
+    from hf_knowgpt import KnowGPTForCausalLM
+
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)).cuda().train()
+    ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
+    seen = []
+    for in_fp32 in (False, True):
+        monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", in_fp32)
+        model.zero_grad()
+        step = torch.compile(model, dynamic=False) if compiled else model
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(input_ids=ids, labels=ids).loss
+        loss.backward()
+        seen.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        torch._dynamo.reset()
+    (loss, grads), (loss2, grads2) = seen
+    torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
+    overall_largest = max(grad.abs().max().item() for grad in grads.values())
+    for name, grad in grads.items():
+        # as in test_model_trains_alike_with_the_bias_gradient_kernel: one bf16 unit moved where a sum in
+        # another order is rounded for the next product, carried on by the layers below
+        largest = max(grad.abs().max().item(), 2**-10 * overall_largest)
+        tolerance = dict(rtol=2**-7, atol=2**-10 * largest)
+        torch.testing.assert_close(grads2[name], grad, **tolerance, msg=lambda text, n=name: f"{n}: {text}")
+    for layer in ("mlp.proj", "attn.proj", "mlp.fc", "attn.query"):
+        name = f"transformer.blocks.0.{layer}.weight"
+        assert not torch.equal(grads2[name], grads[name]), f"{name}: autograd's bf16 product"
+
+
+def test_narrow_layers_take_the_function_only_for_fp32_weight_gradients(monkeypatch):
+    """A layer too narrow for the column-sum kernel (`linear(..., bias_by_kernel=False)`) runs as F.linear, its
+    bias gradient autograd's bf16 sum, unless WEIGHT_GRADIENT_IN_FP32 routes it through the function, whose bias
+    gradient is the fp32 sum (here on the CPU, the function allowed there)."""
+    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(column_sums_module, "column_sums_available", lambda: True)
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 8)
+    states = torch.randn(300, 16)
+    bias_gradients = []
+    for in_fp32 in (False, True):
+        monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", in_fp32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layers_knowgpt.linear(proj, states, bias_by_kernel=False)
+        bias_gradients.append(torch.autograd.grad((out.float() ** 2).sum(), proj.bias)[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = proj(states)
+    (by_autograd,) = torch.autograd.grad((out.float() ** 2).sum(), proj.bias)
+    assert torch.equal(bias_gradients[0], by_autograd)
+    assert not torch.equal(bias_gradients[1], by_autograd), "the fp32 flag left the narrow layer to autograd"
+    torch.testing.assert_close(bias_gradients[1], by_autograd, rtol=2**-7, atol=2**-7 * by_autograd.abs().max().item())

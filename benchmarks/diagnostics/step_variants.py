@@ -58,7 +58,9 @@ inductor's and Triton's caches are keyed on, computed when the step loads instea
 and model are made ready (`compiler-keys-when-loaded`, `compile_cache.prefetch_compiler_keys`); the loss summed
 over all the tokens at once, where the model sums 256 at a time and then those sums (`loss-one-level`,
 `layers_knowgpt.LOSS_CHUNK`); the attention's input projection's and the MLP's first bias gradients by
-autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); the
+linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
+(`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -130,6 +132,7 @@ VARIANTS = {
     "no-memory-reuse": {"memory_reuse": False},
     "loss-one-level": {"loss_chunk": 0},
     "bias-gradient-by-autograd": {"bias_gradient_kernel": False},
+    "fp32-weight-gradients": {"weight_gradient_in_fp32": True},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
@@ -213,6 +216,10 @@ def run_one(variant: str, train_args: list[str]) -> None:
         from hf_knowgpt import layers_knowgpt
 
         layers_knowgpt.BIAS_GRADIENT_KERNEL = settings["bias_gradient_kernel"]
+    if "weight_gradient_in_fp32" in settings:
+        from hf_knowgpt import layers_knowgpt
+
+        layers_knowgpt.WEIGHT_GRADIENT_IN_FP32 = settings["weight_gradient_in_fp32"]
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):

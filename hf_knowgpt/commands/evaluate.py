@@ -38,6 +38,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    from ..utils.cuda_context import start_primary_context
+
+    start_primary_context(args.device)  # while torch and transformers load
     from ..analysis.evaluation import evaluate_birthplaces
 
     cli.libraries_loaded()

@@ -81,35 +81,60 @@ def column_sums(matrix: torch.Tensor) -> torch.Tensor:
     return _column_sums(matrix.contiguous())
 
 
+def _fp32_weight_gradient(states: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a weight gradient can be one product written in fp32: bf16 or fp16 products of an fp32 weight on
+    CUDA, where torch.mm takes `out_dtype`."""
+    return states.is_cuda and states.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32
+
+
 class _LinearWithSummedBiasGradient(torch.autograd.Function):
-    """F.linear(states, weight, bias) computed in `dtype`, its bias gradient by `column_sums` in fp32; the other
-    gradients are autograd's for the same products."""
+    """F.linear(states, weight, bias) computed in `dtype`, its bias gradient summed in fp32 (by `column_sums`
+    where `bias_by_kernel`, else by torch), its weight gradient a product written in fp32 where
+    `weight_gradient_in_fp32` and `_fp32_weight_gradient` allow; the other gradients are autograd's for the
+    same products."""
 
     @staticmethod
-    def forward(ctx, states, weight, bias, dtype):
+    def forward(ctx, states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32):
         ctx.dtypes = states.dtype, weight.dtype, bias.dtype
-        states, weight = states.to(dtype), weight.to(dtype)
-        ctx.save_for_backward(states, weight)
-        return F.linear(states, weight, bias.to(dtype))
+        ctx.bias_by_kernel = bias_by_kernel
+        low_states, low_weight = states.to(dtype), weight.to(dtype)
+        ctx.fp32_weight_gradient = weight_gradient_in_fp32 and _fp32_weight_gradient(low_states, weight)
+        ctx.save_for_backward(low_states, low_weight)
+        return F.linear(low_states, low_weight, bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
         states, weight = ctx.saved_tensors
         states_dtype, weight_dtype, bias_dtype = ctx.dtypes
         grad_rows = grad.reshape(-1, grad.shape[-1])
-        needs_states, needs_weight, _, _ = ctx.needs_input_grad  # the bias needs its gradient to come here at all
+        needs_states, needs_weight = ctx.needs_input_grad[:2]  # the bias needs its gradient to come here at all
         grad_states = (grad @ weight).to(states_dtype) if needs_states else None
-        grad_weight = (grad_rows.t() @ states.reshape(-1, states.shape[-1])).to(weight_dtype) if needs_weight else None
-        return grad_states, grad_weight, column_sums(grad_rows).to(bias_dtype), None
+        grad_weight = None
+        if needs_weight:
+            state_rows = states.reshape(-1, states.shape[-1])
+            if ctx.fp32_weight_gradient:  # no bf16 rounding of the product, no cast after it
+                grad_weight = torch.mm(grad_rows.t(), state_rows, out_dtype=torch.float32)
+            else:
+                grad_weight = (grad_rows.t() @ state_rows).to(weight_dtype)
+        grad_bias = column_sums(grad_rows) if ctx.bias_by_kernel else grad_rows.sum(0, dtype=torch.float32)
+        return grad_states, grad_weight, grad_bias.to(bias_dtype), None, None, None
 
 
-def linear_with_summed_bias_gradient(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def linear_with_summed_bias_gradient(
+    states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    bias_by_kernel: bool = True,
+    weight_gradient_in_fp32: bool = False,
+) -> torch.Tensor:
     """F.linear(states, weight, bias) in the dtype autocast gives it (the products autograd would run under the
-    same autocast), its bias gradient summed over the rows by `column_sums` in fp32, where autograd's sum is in
-    the products' dtype."""
+    same autocast), its bias gradient summed over the rows in fp32 (by `column_sums` where `bias_by_kernel`,
+    else by torch), where autograd's sum is in the products' dtype. With `weight_gradient_in_fp32`, on CUDA, the
+    weight gradient of bf16 or fp16 products is one product written in fp32, where autograd's is rounded to the
+    products' dtype and then cast to the weight's."""
     device_type = states.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else states.dtype
-    return _LinearWithSummedBiasGradient.apply(states, weight, bias, dtype)
+    return _LinearWithSummedBiasGradient.apply(states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32)
 
 
 __all__ = ["column_sums", "column_sums_available", "linear_with_summed_bias_gradient"]
