@@ -49,9 +49,19 @@ BIAS_GRADIENT_KERNEL = True
 BIAS_GRADIENT_KERNEL_DEVICES = ("cuda",)
 # Plain linear layers' weight gradients, where their products are bf16 or fp16 under autocast on CUDA, as one
 # product written in fp32 (torch.mm's out_dtype) instead of a product rounded to bf16 and then cast to the fp32
-# weight's dtype; every plain layer, the narrow ones (`linear(..., bias_by_kernel=False)`) with their bias
-# gradients summed by torch in fp32. False: autograd's products.
-WEIGHT_GRADIENT_IN_FP32 = False
+# weight's dtype: no cast kernel after each product (about 3 µs each at the handout's size on an H200), and the
+# handout recipe's steps 0.2-0.3 s shorter in three pairs of runs (benchmarks/RESULTS.md). Every plain layer
+# takes it, the narrow ones (`linear(..., bias_by_kernel=False)`) with their bias gradients summed by torch in
+# fp32. False: autograd's products.
+WEIGHT_GRADIENT_IN_FP32 = True
+
+
+def _low_precision_autocast(states: torch.Tensor) -> bool:
+    device_type = states.device.type
+    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) in (
+        torch.bfloat16,
+        torch.float16,
+    )
 
 
 def _linear_function(states: torch.Tensor, bias: torch.Tensor):
@@ -68,10 +78,11 @@ def _linear_function(states: torch.Tensor, bias: torch.Tensor):
 
 def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, bias_by_kernel: bool = True):
     bias_by_kernel = bias_by_kernel and BIAS_GRADIENT_KERNEL
-    function = _linear_function(states, bias) if bias_by_kernel or WEIGHT_GRADIENT_IN_FP32 else None
+    in_fp32 = WEIGHT_GRADIENT_IN_FP32 and _low_precision_autocast(states)
+    function = _linear_function(states, bias) if bias_by_kernel or in_fp32 else None
     if function is None:
         return F.linear(states, weight, bias)
-    return function(states, weight, bias, bias_by_kernel, WEIGHT_GRADIENT_IN_FP32)
+    return function(states, weight, bias, bias_by_kernel, in_fp32)
 
 
 def linear(layer: nn.Linear, states: torch.Tensor, bias_by_kernel: bool = True) -> torch.Tensor:

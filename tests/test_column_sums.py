@@ -76,6 +76,7 @@ def test_model_trains_alike_with_the_bias_gradient_kernel(compiled, monkeypatch)
     torch.manual_seed(0)
     model = KnowGPTForCausalLM(tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)).cuda().train()
     ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
+    monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", False)  # autograd's weight gradients either way
     seen = []
     for kernel in (False, True):
         monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL", kernel)
@@ -130,6 +131,7 @@ def test_layers_take_the_kernel_path_in_one_compiled_graph(monkeypatch):
     bias gradients are fp32 sums, where autograd's are rounded to bf16."""
     monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(column_sums_module, "column_sums_available", lambda: True)
+    monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", False)  # autograd's path when the kernel's is off
     torch.manual_seed(0)
     fc, query, key = (torch.nn.Linear(16, 48) for _ in range(3))
     states = torch.randn(40, 16, requires_grad=True)
