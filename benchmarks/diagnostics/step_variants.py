@@ -60,7 +60,8 @@ over all the tokens at once, where the model sums 256 at a time and then those s
 `layers_knowgpt.LOSS_CHUNK`); the attention's input projection's and the MLP's first bias gradients by
 autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); the
 linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
-(`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+(`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
+other way); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -133,6 +134,7 @@ VARIANTS = {
     "loss-one-level": {"loss_chunk": 0},
     "bias-gradient-by-autograd": {"bias_gradient_kernel": False},
     "fp32-weight-gradients": {"weight_gradient_in_fp32": True},
+    "weight-gradients-by-autograd": {"weight_gradient_in_fp32": False},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
