@@ -90,3 +90,15 @@ def test_torch_runs_on_the_context_made_by_the_thread():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_lazy_module_loading_as_torch_sets_it(monkeypatch):
+    """The driver reads CUDA_MODULE_LOADING at cuInit, which the thread now calls before torch: the thread sets
+    torch's default first, and leaves a user's own value alone."""
+    monkeypatch.setattr(cuda_context.ctypes, "CDLL", lambda name: FakeDriver())
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    cuda_context.start_primary_context("cuda").join(timeout=10)
+    assert cuda_context.os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    cuda_context.start_primary_context("cuda").join(timeout=10)
+    assert cuda_context.os.environ["CUDA_MODULE_LOADING"] == "EAGER"

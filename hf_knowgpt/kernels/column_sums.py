@@ -1,6 +1,7 @@
 """Column sums of a (rows, columns) matrix in fp32, by a Triton kernel: a linear layer's bias gradient, summed over
 a training step's tokens (`linear_with_summed_bias_gradient`, which the model's linear layers run while training
-on a GPU: hf_knowgpt.layers_knowgpt.BIAS_GRADIENT_KERNEL).
+on a GPU: hf_knowgpt.layers_knowgpt.BIAS_GRADIENT_KERNEL). The same autograd function writes their weight
+gradients in fp32 by the product itself (hf_knowgpt.layers_knowgpt.WEIGHT_GRADIENT_IN_FP32).
 
 Why: compiled for a symbolic token count, inductor takes these sums at 1.1-1.2 TB/s on an H200: 12.75 µs for the
 MLP's (7680, 1024) bf16 gradient and 10.8 µs for the attention's (7680, 768), where this kernel and the sum of

@@ -8,6 +8,7 @@ the same primary context. Nothing here imports torch.
 """
 
 import ctypes
+import os
 import threading
 
 # False: no thread; torch makes the context when it first needs it (what a benchmark compares against).
@@ -42,6 +43,8 @@ def start_primary_context(device: str | None) -> threading.Thread | None:
     index = device_index(device)
     if not ENABLED or index is None:
         return None
+    # read by the driver at cuInit: torch sets this default before its own, which now comes second
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     thread = threading.Thread(target=_make_primary_context, args=(index,), name="cuda-context", daemon=True)
     thread.start()
     return thread
