@@ -61,7 +61,8 @@ over all the tokens at once, where the model sums 256 at a time and then those s
 autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); the
 linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
 (`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
-other way); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+other way); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
+(`blas-no-workspace`, environment variables set before the run starts); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -135,6 +136,10 @@ VARIANTS = {
     "bias-gradient-by-autograd": {"bias_gradient_kernel": False},
     "fp32-weight-gradients": {"weight_gradient_in_fp32": True},
     "weight-gradients-by-autograd": {"weight_gradient_in_fp32": False},
+    # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
+    # that keeps its partial sums there and adds them up in a reduce kernel of its own (16 a step at the handout's
+    # size, 2.2 µs each)
+    "blas-no-workspace": {"env": {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
     "eager-batch-clip": {"uncompiled": ("compiled_device_batch", "compiled_clip_and_rate")},
@@ -304,7 +309,7 @@ def main(argv=None):
         command += ["--output_dir", str(output_dir)]
         started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         started_wall = time.time()  # the timeline's marks are wall clock
-        subprocess.run(command, check=True, env={**os.environ, **caches})
+        subprocess.run(command, check=True, env={**os.environ, **caches, **VARIANTS[variant].get("env", {})})
         seconds, ended_wall = time.perf_counter() - started, time.time()
         faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
         summary = json.loads((output_dir / "results.json").read_text())

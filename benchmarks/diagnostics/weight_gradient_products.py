@@ -7,6 +7,9 @@ graph, replayed; with `--profile` the kernels each way launches are listed (cuBL
 reduce kernel). A table of µs per call is printed last.
 
     python benchmarks/diagnostics/weight_gradient_products.py [--profile]
+    CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 python benchmarks/diagnostics/weight_gradient_products.py
+
+(the second with no cuBLAS workspace: which products it picks where split-K's partial sums have nowhere to go).
 """
 
 import argparse
