@@ -1,5 +1,6 @@
 """The column-sum kernel (hf_knowgpt.kernels.column_sums) sums a matrix's rows as torch does, and the linear layers
-that take their bias gradient from it (`layers_knowgpt.BIAS_GRADIENT_KERNEL`) train as autograd's do.
+that take their bias gradient from it (`layers_knowgpt.BIAS_GRADIENT_KERNEL`), and their weight gradient as a
+product written in fp32 (`layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`), train as autograd's do.
 
 The kernel tests need Triton and either a CUDA device or Triton's interpreter on the CPU
 (`TRITON_INTERPRET=1 python -m pytest tests/test_column_sums.py`).
