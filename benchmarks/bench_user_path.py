@@ -122,6 +122,12 @@ def environment() -> dict:
     return {"python": sys.executable, "prefix": sys.prefix, "extra_packages_present": present}
 
 
+def last_finetuned_checkpoint(work: Path) -> Path | None:
+    """The finetuned checkpoint of the last `train.py` run in a workdir of this script (`run-N/finetuned`)."""
+    runs = sorted(work.glob("run-*/finetuned"), key=lambda path: int(path.parent.name.split("-")[1]))
+    return runs[-1] if runs else None
+
+
 def startup_times() -> dict:
     return {
         "import_hf_knowgpt_s": best_of([sys.executable, "-c", "import hf_knowgpt"]),

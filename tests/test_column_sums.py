@@ -67,20 +67,17 @@ def test_linear_with_summed_bias_gradient_is_autograds_linear(autocast):
     torch.testing.assert_close(grad_bias, grad_bias2, rtol=unit, atol=unit * exact.abs().max().item())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers take the kernel on CUDA tensors only")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_model_trains_alike_with_the_bias_gradient_kernel(compiled, monkeypatch):
-    """A model's loss and every parameter's gradient under bf16 autocast are the same with the attention's and
-    the MLP's first bias gradients by the kernel (compiled by inductor, or not) as without."""
+def tiny_model_both_ways(flag: str, compiled: bool, monkeypatch):
+    """A tiny model's loss and every parameter's gradient under bf16 autocast, on CUDA, with `layers_knowgpt.<flag>`
+    False and then True (compiled by inductor, or not): ((loss, gradients), (loss, gradients))."""
     from hf_knowgpt import KnowGPTForCausalLM
 
     torch.manual_seed(0)
     model = KnowGPTForCausalLM(tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)).cuda().train()
     ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
-    monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", False)  # autograd's weight gradients either way
     seen = []
-    for kernel in (False, True):
-        monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL", kernel)
+    for value in (False, True):
+        monkeypatch.setattr(layers_knowgpt, flag, value)
         model.zero_grad()
         step = torch.compile(model, dynamic=False) if compiled else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -88,7 +85,16 @@ def test_model_trains_alike_with_the_bias_gradient_kernel(compiled, monkeypatch)
         loss.backward()
         seen.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
         torch._dynamo.reset()
-    (loss, grads), (loss2, grads2) = seen
+    return seen
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers take the kernel on CUDA tensors only")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_trains_alike_with_the_bias_gradient_kernel(compiled, monkeypatch):
+    """A model's loss and every parameter's gradient under bf16 autocast are the same with the attention's and
+    the MLP's first bias gradients by the kernel (compiled by inductor, or not) as without."""
+    monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", False)  # autograd's weight gradients either way
+    (loss, grads), (loss2, grads2) = tiny_model_both_ways("BIAS_GRADIENT_KERNEL", compiled, monkeypatch)
     torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
     overall_largest = max(grad.abs().max().item() for grad in grads.values())
     for name, grad in grads.items():
@@ -205,22 +211,7 @@ def test_model_trains_alike_with_weight_gradients_in_fp32(compiled, monkeypatch)
     """A model's loss is the same and every gradient within bf16's rounding with every plain linear layer's
     weight gradient written in fp32 (`layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`) as without; the weight gradients
     are not autograd's bf16-rounded ones, so the path was taken."""
-    from hf_knowgpt import KnowGPTForCausalLM
-
-    torch.manual_seed(0)
-    model = KnowGPTForCausalLM(tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)).cuda().train()
-    ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
-    seen = []
-    for in_fp32 in (False, True):
-        monkeypatch.setattr(layers_knowgpt, "WEIGHT_GRADIENT_IN_FP32", in_fp32)
-        model.zero_grad()
-        step = torch.compile(model, dynamic=False) if compiled else model
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = step(input_ids=ids, labels=ids).loss
-        loss.backward()
-        seen.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
-        torch._dynamo.reset()
-    (loss, grads), (loss2, grads2) = seen
+    (loss, grads), (loss2, grads2) = tiny_model_both_ways("WEIGHT_GRADIENT_IN_FP32", compiled, monkeypatch)
     torch.testing.assert_close(loss2, loss, rtol=0, atol=0)
     overall_largest = max(grad.abs().max().item() for grad in grads.values())
     for name, grad in grads.items():

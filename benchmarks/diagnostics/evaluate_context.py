@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_user_path import SCRIPTS, accuracy_line, timed  # noqa: E402
+from benchmarks.bench_user_path import SCRIPTS, accuracy_line, last_finetuned_checkpoint, timed  # noqa: E402
 
 # the script's own lines, with the thread set on or off first
 WRAPPER = """import sys
@@ -42,10 +42,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work, data = Path(args.workdir).resolve(), Path(args.data_dir).resolve()
-    runs = sorted(work.glob("run-*/finetuned"), key=lambda path: int(path.parent.name.split("-")[1]))
-    if not runs:
+    checkpoint = last_finetuned_checkpoint(work)
+    if checkpoint is None:
         parser.error(f"{work} holds no run-*/finetuned checkpoint: run bench_user_path.py with --workdir {work} first")
-    flags = ["--model_name_or_path", runs[-1], "--eval_corpus_path", data / "birth_dev.tsv"]
+    flags = ["--model_name_or_path", checkpoint, "--eval_corpus_path", data / "birth_dev.tsv"]
     sides = {
         "context on a thread": [args.python, "-c", WRAPPER.format(enabled=True)],
         "context by torch": [args.python, "-c", WRAPPER.format(enabled=False)],

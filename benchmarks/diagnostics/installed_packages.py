@@ -24,7 +24,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import pip_environment  # noqa: E402
-from benchmarks.bench_user_path import CACHES, EXTRA_PACKAGES, SCRIPTS, accuracy_line, breakdown, timed  # noqa: E402
+from benchmarks.bench_user_path import (  # noqa: E402
+    CACHES,
+    EXTRA_PACKAGES,
+    SCRIPTS,
+    accuracy_line,
+    breakdown,
+    last_finetuned_checkpoint,
+    timed,
+)
 
 
 def importable(python: Path, env: dict) -> list[str]:
@@ -50,10 +58,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work, data = Path(args.workdir).resolve(), Path(args.data_dir).resolve()
-    runs = sorted(work.glob("run-*/finetuned"), key=lambda path: int(path.parent.name.split("-")[1]))
-    if not runs:
+    checkpoint = last_finetuned_checkpoint(work)
+    if checkpoint is None:
         parser.error(f"{work} holds no run-*/finetuned checkpoint: run bench_user_path.py with --workdir {work} first")
-    checkpoint = runs[-1]
     pip_python = Path(args.pip_python) if args.pip_python else work / "pip-env" / "bin" / "python"
     if not pip_python.exists():
         pip_python, missing = pip_environment.create(pip_python.parents[1])

@@ -97,7 +97,7 @@ from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = {
     "as-is": {},
-    # "fused_attention": settings of hf_knowgpt.kernels.fused_attention, which the kernel reads at each launch
+    # "fused_attention", "layers_knowgpt": settings of those modules, which they read at each launch or call
     "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
     "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
     "splits2": {"fused_attention": {"DEFAULT_SPLITS": 2}},
@@ -132,10 +132,10 @@ VARIANTS = {
     "compile-workers-when-loaded": {"compile_workers_when_loaded": True},
     "compiler-keys-when-loaded": {"compiler_keys_when_loaded": True},
     "no-memory-reuse": {"memory_reuse": False},
-    "loss-one-level": {"loss_chunk": 0},
-    "bias-gradient-by-autograd": {"bias_gradient_kernel": False},
-    "fp32-weight-gradients": {"weight_gradient_in_fp32": True},
-    "weight-gradients-by-autograd": {"weight_gradient_in_fp32": False},
+    "loss-one-level": {"layers_knowgpt": {"LOSS_CHUNK": 0}},
+    "bias-gradient-by-autograd": {"layers_knowgpt": {"BIAS_GRADIENT_KERNEL": False}},
+    "fp32-weight-gradients": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": True}},
+    "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
     # that keeps its partial sums there and adds them up in a reduce kernel of its own (16 a step at the handout's
     # size, 2.2 µs each)
@@ -166,6 +166,7 @@ def write_inductor_counters(output_dir: Path) -> None:
 
 
 def run_one(variant: str, train_args: list[str]) -> None:
+    from hf_knowgpt import layers_knowgpt
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.kernels import fused_attention
     from hf_knowgpt.training import trainer
@@ -182,6 +183,8 @@ def run_one(variant: str, train_args: list[str]) -> None:
             setattr(torch._dynamo.config, name, value)
     for name, value in settings.get("fused_attention", {}).items():
         setattr(fused_attention, name, value)
+    for name, value in settings.get("layers_knowgpt", {}).items():
+        setattr(layers_knowgpt, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     if settings.get("each_step_alone"):
@@ -215,18 +218,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
         from hf_knowgpt.training import workflows
 
         workflows.prefetch_compiler_keys = lambda: None
-    if "loss_chunk" in settings:
-        from hf_knowgpt import layers_knowgpt
-
-        layers_knowgpt.LOSS_CHUNK = settings["loss_chunk"]
-    if "bias_gradient_kernel" in settings:
-        from hf_knowgpt import layers_knowgpt
-
-        layers_knowgpt.BIAS_GRADIENT_KERNEL = settings["bias_gradient_kernel"]
-    if "weight_gradient_in_fp32" in settings:
-        from hf_knowgpt import layers_knowgpt
-
-        layers_knowgpt.WEIGHT_GRADIENT_IN_FP32 = settings["weight_gradient_in_fp32"]
     if not settings.get("memory_reuse", True):
         trainer.reuse_freed_memory = lambda: None
     if settings.get("uncompiled"):
