@@ -213,3 +213,93 @@ def test_the_kernels_are_chosen_only_where_torchs_chunks_leave_multiprocessors_i
     assert multi_tensor_adamw_pays(3_323_904, 132)
     assert not multi_tensor_adamw_pays(51_044_352, 132)
     assert multi_tensor_adamw_pays(132 * 65536 - 1, 132) and not multi_tensor_adamw_pays(132 * 65536, 132)
+
+
+@needs_kernel
+def test_gradients_that_are_not_contiguous_are_read_as_torch_reads_them():
+    """A gradient laid out transposed (as some products leave one) is read element for element, not by its
+    storage's order."""
+    parameters, optimizer, kernel = both_ways(max_norm=1.0)
+    for step in range(2):
+        torch_step(parameters, optimizer, step, 1.0, 1.0)
+        set_gradients(kernel.parameters, step, 1.0)
+        first = kernel.parameters[0]
+        first.grad = first.grad.t().contiguous().t()  # the same values, column-major
+        assert not first.grad.is_contiguous()
+        kernel.step_counter.fill_(step)
+        kernel.update.step(kernel.step_counter)
+        assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)
+
+
+def graph_pool_segments():
+    """(start, end) of every block of device memory that belongs to a CUDA graph's pool."""
+    return [
+        (segment["address"], segment["address"] + segment["total_size"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_each_captured_step_reads_its_own_graphs_gradients():
+    """Three graphs of the update, captured in one memory pool as the graphed stepper captures one per token
+    bucket, each graph's gradients made inside its capture and let go of once it ends (the stepper's
+    `zero_grad(set_to_none=True)`, so that a later capture may take their memory), replayed in turn with new
+    gradients: every replay reads its own graph's gradients (each capture's table of addresses, filled once the
+    capture ends), step for step as torch's AdamW after `clip_grad_norm_`. The tables lie outside the graphs'
+    pool: one there could lie where another graph writes its temporaries at each replay."""
+    parameters, optimizer, kernel = both_ways(max_norm=1.0)
+    step_both_ways(parameters, optimizer, kernel, 0, max_norm=1.0, scale=1.0)  # uncaptured: binds, compiles
+    graphs, sources, pool = [], [], None
+    for _ in range(3):
+        source = [torch.zeros(shape, device="cuda") for shape in SHAPES]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            for parameter, values in zip(kernel.parameters, source):
+                parameter.grad = values * 1.0  # made in the graph's memory, as the step's backward makes them
+            kernel.update.step(kernel.step_counter)
+        kernel.update.tables_captured()
+        kernel.optimizer.zero_grad(set_to_none=True)
+        pool = graph.pool()
+        graphs.append(graph)
+        sources.append(source)
+    tables = kernel.update.captured_tables
+    assert len(tables) == 3 and not kernel.update.unfilled_tables
+    pool_segments = graph_pool_segments()
+    assert pool_segments, "no memory of the graphs' pool found: the test proves nothing"
+    for table, _ in tables:
+        assert not any(start <= table.data_ptr() < end for start, end in pool_segments)
+    for step in range(1, 7):
+        which = step % 3
+        for values, gradient in zip(sources[which], gradients(step)):
+            values.copy_(gradient)
+        kernel.step_counter.fill_(step)
+        graphs[which].replay()
+        torch_step(parameters, optimizer, step, 1.0, 1.0)
+        torch.cuda.synchronize()
+        assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_second_step_in_one_capture_is_refused():
+    """Two steps captured without `tables_captured()` between them would share one table: a clear error."""
+    parameters, optimizer, kernel = both_ways(max_norm=1.0)
+    step_both_ways(parameters, optimizer, kernel, 0, max_norm=1.0, scale=1.0)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="tables_captured"):
+        with torch.cuda.graph(graph):
+            for _ in range(2):
+                for parameter, shape in zip(kernel.parameters, SHAPES):
+                    parameter.grad = torch.ones(shape, device="cuda")
+                kernel.update.step(kernel.step_counter)
+
+
+@needs_kernel
+def test_gradients_concatenated_first_update_alike(monkeypatch):
+    """The benchmark's baseline (`GRADIENTS_IN_PLACE = False`: one buffer of every gradient, its parts' addresses
+    computed on the device) steps as torch's AdamW does too."""
+    monkeypatch.setattr(multi_tensor_adamw, "GRADIENTS_IN_PLACE", False)
+    parameters, optimizer, kernel = both_ways(max_norm=1.0)
+    for step in range(3):
+        step_both_ways(parameters, optimizer, kernel, step, max_norm=1.0, scale=1.0)
+        assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)

@@ -62,7 +62,9 @@ autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `
 linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
 (`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
 other way); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
-(`blas-no-workspace`, environment variables set before the run starts); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+(`blas-no-workspace`, environment variables set before the run starts); the update's gradients concatenated into one
+buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
+`multi_tensor_adamw.GRADIENTS_IN_PLACE`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -97,7 +99,7 @@ from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = {
     "as-is": {},
-    # "fused_attention", "layers_knowgpt": settings of those modules, which they read at each launch or call
+    # "fused_attention", "layers_knowgpt", "multi_tensor_adamw": settings of those modules, which they read at each launch or call
     "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
     "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
     "splits2": {"fused_attention": {"DEFAULT_SPLITS": 2}},
@@ -139,6 +141,7 @@ VARIANTS = {
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
     # that keeps its partial sums there and adds them up in a reduce kernel of its own (16 a step at the handout's
     # size, 2.2 µs each)
+    "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     "blas-no-workspace": {"env": {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}},
     "eager-batch": {"uncompiled": ("compiled_device_batch",)},
     "eager-clip": {"uncompiled": ("compiled_clip_and_rate",)},
@@ -168,7 +171,7 @@ def write_inductor_counters(output_dir: Path) -> None:
 def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt import layers_knowgpt
     from hf_knowgpt.commands import cli, train
-    from hf_knowgpt.kernels import fused_attention
+    from hf_knowgpt.kernels import fused_attention, multi_tensor_adamw
     from hf_knowgpt.training import trainer
     from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options
 
@@ -185,6 +188,8 @@ def run_one(variant: str, train_args: list[str]) -> None:
         setattr(fused_attention, name, value)
     for name, value in settings.get("layers_knowgpt", {}).items():
         setattr(layers_knowgpt, name, value)
+    for name, value in settings.get("multi_tensor_adamw", {}).items():
+        setattr(multi_tensor_adamw, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     if settings.get("each_step_alone"):

@@ -7,11 +7,15 @@ multiprocessors of an H100 or H200: its two launches took 62 µs of the 1.55 ms 
 benchmarks/RESULTS.md), more than twice what their 91 MB of reads and writes need at the memory's speed, and
 the clipping's norms and scaling, compiled by inductor, took kernels of their own beside them.
 
-How: the gradients are concatenated into one flat buffer (one `torch.cat` launch); `_squared_sums` sums the
-squares of each block of it, `_finish` (one program) adds those sums into the global norm, turns it into the
-clipping coefficient, reads the step's learning rate from the schedule, counts the optimizer's step and computes
-its bias corrections, and `_update` gives every block of every parameter a program of its own (a few thousand)
-that applies the clipped gradient to the parameter and its two moments. Everything the step reads is on the
+How: every block of every parameter gets a program of its own (a few thousand), which reaches the parameter's
+gradient through a table of the gradients' addresses: `_squared_sums` sums the squares of its block, `_finish`
+(one program) adds those sums into the global norm, turns it into the clipping coefficient, reads the step's
+learning rate from the schedule, counts the optimizer's step and computes its bias corrections, and `_update`
+applies the clipped gradient to the parameter and its two moments. The gradients are read where autograd left
+them: concatenated into one buffer first (`torch.cat`), they cost the handout's step 22 µs on an H200
+(benchmarks/RESULTS.md). A captured graph's gradients keep their addresses at every replay, so each capture
+gets a table of its own, filled once the capture ends (`tables_captured`); a step run uncaptured fills one
+shared table first. Everything the step reads is on the
 device, so the four launches can be captured in a CUDA graph and replayed. The moments live in two flat buffers
 and the step counts in a third, of which the optimizer's state tensors are views, so that checkpoints save and
 load them as before (each parameter's count its own element: torch's optimizer, resuming, counts each); the
@@ -35,10 +39,11 @@ from .fused_attention import _interpreted, triton
 if triton is not None:
     import triton.language as tl
 
-# Elements per program: of the squared sums (a few hundred programs for the handout model) and of the update
-# (one per block of each parameter: about 3300 for the handout model, enough to keep every multiprocessor's
-# memory requests in flight).
-NORM_BLOCK = 4096
+# False: the gradients concatenated into one buffer first (`torch.cat`) and read from there, as a benchmark's
+# baseline (benchmarks/diagnostics/step_variants.py's `gradients-concatenated`).
+GRADIENTS_IN_PLACE = True
+# Elements per program of the squared sums and of the update (one per block of each parameter: about 3300 for the
+# handout model, enough to keep every multiprocessor's memory requests in flight).
 UPDATE_BLOCK = 1024
 # Elements per block of threads in torch's fused AdamW (its multi-tensor chunks).
 TORCH_CHUNK = 65536
@@ -94,6 +99,10 @@ class MultiTensorAdamW:
         self.learning_rates = learning_rates
         self.learning_rate = learning_rate
         self.updated = None  # the parameters with gradients at the first step: the ones every step updates
+        self.uncaptured_table = None  # the gradients' addresses for a step run uncaptured, written before it
+        self.captured_tables = []  # (table, addresses) of each captured step: kept, as its graph reads it
+        self.unfilled_tables = []  # those of captures not yet ended
+        self.spare_table = None  # the table the next capture takes, made outside any capture
 
     def _bind(self, updated):
         """Flat moments and step counts and the device tables, for the parameters `updated` (first step)."""
@@ -121,7 +130,6 @@ class MultiTensorAdamW:
         if len(counts) > 1:
             raise ValueError(f"the optimizer's parameters took different numbers of steps ({sorted(counts)})")
         self.step_counts.fill_(counts.pop() if counts else 0.0)
-        self.partial_sums = torch.empty(triton.cdiv(total, NORM_BLOCK), dtype=torch.float32, device=device)
         self.scalars = torch.empty(4, dtype=torch.float32, device=device)
         # One program per block of each parameter: which parameter, and where in it the block starts.
         block_tensor, block_start = [], []
@@ -130,13 +138,46 @@ class MultiTensorAdamW:
             block_tensor += [index] * len(starts)
             block_start += starts
         self.block_tensor = torch.tensor(block_tensor, dtype=torch.int32, device=device)
+        self.partial_sums = torch.empty(len(block_tensor), dtype=torch.float32, device=device)
         self.block_start = torch.tensor(block_start, dtype=torch.int32, device=device)
         self.offsets = torch.tensor(offsets[:-1], dtype=torch.int64, device=device)
         self.numels = torch.tensor(numels, dtype=torch.int32, device=device)
         self.addresses = torch.tensor([p.data_ptr() for p in updated], dtype=torch.int64, device=device)
         decays = [float(group_of[id(p)]["weight_decay"]) for p in updated]
         self.weight_decays = torch.tensor(decays, dtype=torch.float32, device=device)
+        self.spare_table = torch.empty(len(updated), dtype=torch.int64, device=device)
         self.updated = updated
+
+    def _gradient_table(self, gradients) -> torch.Tensor:
+        """A device table of the gradients' addresses, as the step's kernels will find it when they run."""
+        addresses = [gradient.data_ptr() for gradient in gradients]
+        device = gradients[0].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Nothing runs while a graph is captured, and a copy from the host cannot be captured: the table is
+            # filled once the capture ends, before the graph first replays. It was made outside any capture: one
+            # made inside would lie in the graphs' shared pool, maybe where an earlier graph's temporaries are
+            # written at its replay, and the table is written only once.
+            if self.spare_table is None:
+                raise RuntimeError(
+                    "MultiTensorAdamW: a second step captured before tables_captured() was called for the first"
+                )
+            table, self.spare_table = self.spare_table, None
+            self.unfilled_tables.append((table, addresses))
+            return table
+        if self.uncaptured_table is None:
+            self.uncaptured_table = torch.empty(len(addresses), dtype=torch.int64, device=device)
+        # in the stream's order: an earlier step's kernels have read the table before this copy writes it
+        self.uncaptured_table.copy_(torch.tensor(addresses, dtype=torch.int64))
+        return self.uncaptured_table
+
+    def tables_captured(self) -> None:
+        """Fill the gradient tables of the steps captured since the last call (call after each capture ends)."""
+        for table, addresses in self.unfilled_tables:
+            table.copy_(torch.tensor(addresses, dtype=torch.int64))
+        self.captured_tables += self.unfilled_tables
+        self.unfilled_tables = []
+        if self.spare_table is None:  # for the next capture, made here, outside any
+            self.spare_table = torch.empty_like(self.captured_tables[-1][0])
 
     def step(self, step_counter: torch.Tensor) -> None:
         """One step, from the parameters' `.grad` (left as they are, unclipped)."""
@@ -149,18 +190,26 @@ class MultiTensorAdamW:
                     "a parameter that had a gradient at the first step has none now; the multi-tensor AdamW "
                     "updates the same parameters at every step"
                 )
-            gradients.append(parameter.grad.reshape(-1))
-        flat = torch.cat(gradients)
-        total = flat.numel()
-        _squared_sums[(self.partial_sums.numel(),)](flat, self.partial_sums, total, BLOCK=NORM_BLOCK)
+            if parameter.grad.dtype != torch.float32:
+                raise RuntimeError(f"the multi-tensor AdamW takes fp32 gradients, got {parameter.grad.dtype}")
+            gradients.append(parameter.grad.contiguous())
+        if GRADIENTS_IN_PLACE:
+            table = self._gradient_table(gradients)
+        else:  # each gradient's address within the buffer, computed on the device (a captured step repeats it)
+            flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+            table = self.offsets * flat.element_size() + flat.data_ptr()
+        blocks = self.block_tensor.numel()
+        _squared_sums[(blocks,)](
+            table, self.block_tensor, self.block_start, self.numels, self.partial_sums, BLOCK=UPDATE_BLOCK
+        )
         _finish[(1,)](
-            self.partial_sums, self.partial_sums.numel(), self.learning_rates, self.learning_rates.numel(),
+            self.partial_sums, blocks, self.learning_rates, self.learning_rates.numel(),
             step_counter, self.learning_rate, self.step_counts, self.step_counts.numel(), self.scalars, self.max_norm,
             self.beta1, self.beta2,
             CLIP=self.max_norm > 0, BLOCK=1024,
         )  # fmt: skip
-        _update[(self.block_tensor.numel(),)](
-            flat, self.exp_avg, self.exp_avg_sq, self.addresses, self.block_tensor, self.block_start, self.offsets,
+        _update[(blocks,)](
+            table, self.exp_avg, self.exp_avg_sq, self.addresses, self.block_tensor, self.block_start, self.offsets,
             self.numels, self.weight_decays, self.scalars, self.beta1, self.beta2, self.eps, BLOCK=UPDATE_BLOCK,
         )  # fmt: skip
 
@@ -168,11 +217,13 @@ class MultiTensorAdamW:
 if triton is not None:
 
     @triton.jit
-    def _squared_sums(GRADIENTS, PARTIAL_SUMS, total, BLOCK: tl.constexpr):
-        """The sum of the squares of one block of the flat gradients, in fp32."""
+    def _squared_sums(GRADIENT_ADDRESSES, BLOCK_TENSOR, BLOCK_START, NUMELS, PARTIAL_SUMS, BLOCK: tl.constexpr):
+        """The sum of the squares of one block of one parameter's gradient, in fp32."""
         block = tl.program_id(0)
-        offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        values = tl.load(GRADIENTS + offsets, mask=offsets < total, other=0.0)
+        tensor = tl.load(BLOCK_TENSOR + block)
+        within = tl.load(BLOCK_START + block) + tl.arange(0, BLOCK)
+        gradient_pointer = tl.load(GRADIENT_ADDRESSES + tensor).to(tl.pointer_type(tl.float32))
+        values = tl.load(gradient_pointer + within, mask=within < tl.load(NUMELS + tensor), other=0.0)
         tl.store(PARTIAL_SUMS + block, tl.sum(values * values))
 
     @triton.jit
@@ -207,22 +258,23 @@ if triton is not None:
 
     @triton.jit
     def _update(
-        GRADIENTS, EXP_AVG, EXP_AVG_SQ, ADDRESSES, BLOCK_TENSOR, BLOCK_START, OFFSETS, NUMELS, WEIGHT_DECAYS,
+        GRADIENT_ADDRESSES, EXP_AVG, EXP_AVG_SQ, ADDRESSES, BLOCK_TENSOR, BLOCK_START, OFFSETS, NUMELS, WEIGHT_DECAYS,
         SCALARS, beta1, beta2, eps, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """AdamW on one block of one parameter, with its clipped gradient and moments from the flat buffers."""
+        """AdamW on one block of one parameter, with its clipped gradient, and its moments from the flat buffers."""
         block = tl.program_id(0)
         tensor = tl.load(BLOCK_TENSOR + block)
         within = tl.load(BLOCK_START + block) + tl.arange(0, BLOCK)
         inside = within < tl.load(NUMELS + tensor)
         flat = tl.load(OFFSETS + tensor) + within
         parameter_pointer = tl.load(ADDRESSES + tensor).to(tl.pointer_type(tl.float32))
+        gradient_pointer = tl.load(GRADIENT_ADDRESSES + tensor).to(tl.pointer_type(tl.float32))
         weight_decay = tl.load(WEIGHT_DECAYS + tensor)
         coefficient = tl.load(SCALARS + 0)
         learning_rate = tl.load(SCALARS + 1)
         step_size = tl.load(SCALARS + 2)
         bias_correction2_sqrt = tl.load(SCALARS + 3)
-        gradient = tl.load(GRADIENTS + flat, mask=inside, other=0.0) * coefficient
+        gradient = tl.load(gradient_pointer + within, mask=inside, other=0.0) * coefficient
         parameter = tl.load(parameter_pointer + within, mask=inside, other=0.0)
         exp_avg = tl.load(EXP_AVG + flat, mask=inside, other=0.0)
         exp_avg_sq = tl.load(EXP_AVG_SQ + flat, mask=inside, other=0.0)

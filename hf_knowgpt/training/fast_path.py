@@ -416,6 +416,12 @@ class GraphedStepper:
         self.loss_sum.add_(loss.detach(), alpha=self.world)
         self.step_counter.add_(1)
 
+    def _tables_captured(self):
+        """After a capture: the update's tables of what the captured step reads (its gradients' addresses) filled
+        before the graph first replays."""
+        if self.update is not None:
+            self.update.tables_captured()
+
     def _clip_and_rate_arguments(self):
         return (
             self.parameters,
@@ -506,6 +512,7 @@ class GraphedStepper:
                     self._body(capacity)
                 finally:
                     graph.capture_end()
+            self._tables_captured()
             self.graphs[capacity] = graph
             self.captures.append({"tokens": capacity, "seconds": time.perf_counter() - started})
             return True
@@ -525,6 +532,7 @@ class GraphedStepper:
         mode = "thread_local" if self.world > 1 else "global"
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
             self._body(capacity)
+        self._tables_captured()
         self.pool = self.pool or graph.pool()  # every graph shares one memory pool: they replay in turn
         self.graphs[capacity] = graph
         self._restore(snapshot)
