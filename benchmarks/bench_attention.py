@@ -121,8 +121,9 @@ def library_kernel(function, kernel_dtype):
     return attention
 
 
-def graphed(step):
-    """`step` captured in a CUDA graph (after warm-up passes on a side stream, as capture requires): its replay."""
+def graphed(step, after_capture=None):
+    """`step` captured in a CUDA graph (after warm-up passes on a side stream, as capture requires): its replay.
+    `after_capture`, where given, is called once the capture ends (the multi-tensor update fills its tables then)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -132,12 +133,14 @@ def graphed(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
+    if after_capture is not None:
+        after_capture()
     return graph.replay
 
 
-def graphed_ms(step, replays):
+def graphed_ms(step, replays, after_capture=None):
     """Milliseconds of device time per call of `step`, captured in one graph and replayed `replays` times."""
-    replay = graphed(step)
+    replay = graphed(step, after_capture)
     replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -534,7 +534,7 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(
 def test_captured_steps_update_with_the_multi_tensor_kernels_as_with_torchs_adamw(
     pretraining_data, tmp_path, monkeypatch, compiled
 ):
-    """The captured step's update in four launches (`kernels.multi_tensor_adamw`) against the clipping and
+    """The captured step's update in three launches (`kernels.multi_tensor_adamw`) against the clipping and
     torch's fused AdamW it replaces: fp32, no dropout, the same parameters and optimizer state after steps over
     an epoch boundary and several graphs, and the same learning rate written into the optimizer."""
     tokenizer, data = pretraining_data

@@ -1,5 +1,5 @@
 """The graphed step's update (`hf_knowgpt.kernels.multi_tensor_adamw`): clipping, the scheduled learning rate and
-AdamW in four launches compute what `clip_grad_norm_` and torch's AdamW compute, keep the optimizer's state where
+AdamW in three launches compute what `clip_grad_norm_` and torch's AdamW compute, keep the optimizer's state where
 a checkpoint saves it, resume from it, and leave out parameters that have no gradient.
 
 The kernel tests need Triton and either a CUDA device or Triton's interpreter on the CPU

@@ -1,4 +1,4 @@
-"""The graphed training step's update in four launches for all parameters: the gradients' global-norm clipping,
+"""The graphed training step's update in three launches for all parameters: the gradients' global-norm clipping,
 the step's learning rate from the schedule, and AdamW.
 
 Why: torch's fused AdamW walks its tensor lists in chunks of 65536 elements, one block of threads per chunk,
@@ -14,9 +14,9 @@ learning rate from the schedule, counts the optimizer's step and computes its bi
 applies the clipped gradient to the parameter and its two moments. The gradients are read where autograd left
 them: concatenated into one buffer first (`torch.cat`), they cost the handout's step 22 µs on an H200
 (benchmarks/RESULTS.md). A captured graph's gradients keep their addresses at every replay, so each capture
-gets a table of its own, filled once the capture ends (`tables_captured`); a step run uncaptured fills one
-shared table first. Everything the step reads is on the
-device, so the four launches can be captured in a CUDA graph and replayed. The moments live in two flat buffers
+gets a table of its own, made before it outside the graphs' memory pool and filled once it ends
+(`tables_captured`); a step run uncaptured fills one shared table first. Everything the step reads is on the
+device, so the three launches can be captured in a CUDA graph and replayed. The moments live in two flat buffers
 and the step counts in a third, of which the optimizer's state tensors are views, so that checkpoints save and
 load them as before (each parameter's count its own element: torch's optimizer, resuming, counts each); the
 parameters keep storages of their own (transformers and accelerate save tensors that share a storage as one
@@ -80,14 +80,15 @@ def multi_tensor_adamw_applies(optimizer, parameters) -> bool:
 
 def multi_tensor_adamw_pays(elements: int, multiprocessors: int) -> bool:
     """Whether the kernels beat torch's fused AdamW for `elements` parameters on a GPU of `multiprocessors`:
-    where torch's chunks leave some multiprocessor without one. Beyond, torch's update streams as fast or faster
-    (benchmarks/bench_optimizer_step.py, one H200: 1.60× at the handout model's 3.3M parameters, 0.90× at 51M)."""
+    where torch's chunks leave some multiprocessor without one (benchmarks/bench_optimizer_step.py, one H200: 1.60×
+    at the handout model's 3.3M parameters and 0.90× at 51M with the gradients concatenated first; read where
+    autograd left them, 2.45× and 1.27×). The bound stays until a whole run beyond it is timed each way."""
     return elements < multiprocessors * TORCH_CHUNK
 
 
 class MultiTensorAdamW:
     """`clip_grad_norm_(parameters, max_norm)`, the learning rate of step `step_counter` from `learning_rates`
-    written into `learning_rate` (the optimizer's shared rate tensor), and `optimizer.step()`, in four launches
+    written into `learning_rate` (the optimizer's shared rate tensor), and `optimizer.step()`, in three launches
     that a CUDA graph can capture; `optimizer` keeps the state (its moments and step counts become views of flat
     buffers), so it saves and resumes as before. `max_norm` 0 or None clips nothing. Check
     `multi_tensor_adamw_applies` first."""

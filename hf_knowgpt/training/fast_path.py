@@ -248,7 +248,7 @@ class GraphedStepper:
     # the tuned configurations, for 0.3–0.6 s more of loading (benchmarks/RESULTS.md, "Coordinate-descent
     # tuning kept between runs"). Not the default: a warm handout run gains nothing, the first takes ~50 s more.
     TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
-    # The update (clipping, the step's learning rate, AdamW) in four launches for all parameters
+    # The update (clipping, the step's learning rate, AdamW) in three launches for all parameters
     # (`kernels.multi_tensor_adamw`) where it applies (one process, torch's AdamW as the trainer makes it) and pays
     # (a model small enough that torch's fused AdamW leaves multiprocessors idle: the handout's 3.3M parameters
     # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
@@ -333,7 +333,7 @@ class GraphedStepper:
             self.load_seconds = time.perf_counter() - started
 
     def _multi_tensor_update(self, max_norm):
-        """The update in four launches (`MULTI_TENSOR_UPDATE`), where it applies; None where it does not."""
+        """The update in three launches (`MULTI_TENSOR_UPDATE`), where it applies; None where it does not."""
         if not self.MULTI_TENSOR_UPDATE or self.world > 1 or self.device.type != "cuda":
             return None
         from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies, multi_tensor_adamw_pays
