@@ -122,10 +122,13 @@ def environment() -> dict:
     return {"python": sys.executable, "prefix": sys.prefix, "extra_packages_present": present}
 
 
-def last_finetuned_checkpoint(work: Path) -> Path | None:
-    """The finetuned checkpoint of the last `train.py` run in a workdir of this script (`run-N/finetuned`)."""
+def last_finetuned_checkpoint(work: Path, parser: argparse.ArgumentParser) -> Path:
+    """The finetuned checkpoint of the last `train.py` run in a workdir of this script (`run-N/finetuned`); where
+    there is none, the diagnostic's `parser` exits saying so."""
     runs = sorted(work.glob("run-*/finetuned"), key=lambda path: int(path.parent.name.split("-")[1]))
-    return runs[-1] if runs else None
+    if not runs:
+        parser.error(f"{work} holds no run-*/finetuned checkpoint: run bench_user_path.py with --workdir {work} first")
+    return runs[-1]
 
 
 def startup_times() -> dict:

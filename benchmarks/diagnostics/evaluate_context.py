@@ -42,9 +42,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work, data = Path(args.workdir).resolve(), Path(args.data_dir).resolve()
-    checkpoint = last_finetuned_checkpoint(work)
-    if checkpoint is None:
-        parser.error(f"{work} holds no run-*/finetuned checkpoint: run bench_user_path.py with --workdir {work} first")
+    checkpoint = last_finetuned_checkpoint(work, parser)
     flags = ["--model_name_or_path", checkpoint, "--eval_corpus_path", data / "birth_dev.tsv"]
     sides = {
         "context on a thread": [args.python, "-c", WRAPPER.format(enabled=True)],

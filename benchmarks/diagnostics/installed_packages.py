@@ -58,9 +58,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     work, data = Path(args.workdir).resolve(), Path(args.data_dir).resolve()
-    checkpoint = last_finetuned_checkpoint(work)
-    if checkpoint is None:
-        parser.error(f"{work} holds no run-*/finetuned checkpoint: run bench_user_path.py with --workdir {work} first")
+    checkpoint = last_finetuned_checkpoint(work, parser)
     pip_python = Path(args.pip_python) if args.pip_python else work / "pip-env" / "bin" / "python"
     if not pip_python.exists():
         pip_python, missing = pip_environment.create(pip_python.parents[1])
