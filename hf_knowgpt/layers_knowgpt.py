@@ -1,6 +1,6 @@
 """Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
-linear layers (`linear`) and those of one input run as one matrix product (`project`), and the causal-LM loss
-(`causal_lm_loss`)."""
+linear layers (`linear`), those of one input run as one matrix product (`project`), the MLP's two layers and
+activation (`mlp`), and the causal-LM loss (`causal_lm_loss`)."""
 
 import torch
 from torch import nn
@@ -92,6 +92,42 @@ def linear(layer: nn.Linear, states: torch.Tensor, bias_by_kernel: bool = True) 
     return _linear(states, layer.weight, layer.bias, bias_by_kernel) if _plain(layer) else layer(states)
 
 
+# The MLP's GELU inside its matrix products (hf_knowgpt.kernels.gelu_products) while training under bf16 or fp16
+# autocast where Triton runs, instead of a pass of its own each way over the (tokens, 4·n_embd) states. Off until
+# the whole training step has been timed both ways.
+GELU_IN_PRODUCTS = False
+
+
+def _mlp_function(states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear):
+    """The kernel module's `mlp_with_gelu_in_products` where GELU_IN_PRODUCTS says so and it applies (training
+    plain layers around the exact GELU), else None."""
+    if not (
+        GELU_IN_PRODUCTS
+        and type(activation) is nn.GELU
+        and activation.approximate == "none"
+        and _plain(fc)
+        and _plain(proj)
+        and torch.is_grad_enabled()
+        and fc.weight.requires_grad
+    ):
+        return None
+    try:  # the package's kernels: a checkpoint's own copy of this code runs without them
+        from hf_knowgpt.kernels.gelu_products import gelu_products_apply, mlp_with_gelu_in_products
+    except ModuleNotFoundError:
+        return None
+    return mlp_with_gelu_in_products if gelu_products_apply(states, fc.weight, proj.weight) else None
+
+
+def mlp(states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear) -> torch.Tensor:
+    """proj(activation(fc(states))), by `linear` for each layer, or with GELU inside the products where
+    GELU_IN_PRODUCTS says so and the kernels apply."""
+    function = _mlp_function(states, fc, activation, proj)
+    if function is not None:
+        return function(states, fc.weight, fc.bias, proj.weight, proj.bias)
+    # proj's bias gradient stays autograd's: the column-sum kernel did not pay at its width (n_embd).
+    return linear(proj, activation(linear(fc, states)), bias_by_kernel=False)
+
+
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
     """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
     Plain ones (`_plain`) run as one product of their concatenated weights (one kernel instead of several,
@@ -128,4 +164,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = ["KnowGPTDropout", "causal_lm_loss", "linear", "project"]
+__all__ = ["KnowGPTDropout", "causal_lm_loss", "linear", "mlp", "project"]

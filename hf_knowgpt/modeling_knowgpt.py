@@ -38,7 +38,7 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, linear
+from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, mlp
 
 logger = logging.get_logger(__name__)
 
@@ -83,7 +83,7 @@ class KnowGPTMLP(nn.Module):
     def forward(self, hidden_states):
         # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
         # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
-        return self.dropout(linear(self.proj, self.act(linear(self.fc, hidden_states)), bias_by_kernel=False))
+        return self.dropout(mlp(hidden_states, self.fc, self.act, self.proj))
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):

@@ -1,0 +1,201 @@
+"""The MLP's GELU inside its matrix products, by Triton kernels: `mlp_with_gelu_in_products(states, fc_weight,
+fc_bias, proj_weight, proj_bias)` is `proj(gelu(fc(states)))` under bf16 or fp16 autocast, forward and backward.
+
+Why: in the compiled training step the MLP's GELU is a pass of its own each way over the (tokens, 4·n_embd)
+states, at the memory's speed: forward it reads the first product's output and writes the activation, backward it
+reads the activation's gradient (which the second product's backward wrote) and the first product's output and
+writes their product. At the handout step's 7680 tokens those passes took 11.9 and about 12.8 µs per layer on an
+H200 (`benchmarks/diagnostics/profile_step.py`), a fifteenth of the step.
+
+How: a blocked matrix product whose epilogue finishes the job while its tile is still in registers. Forward,
+fc's product adds the bias, writes the pre-activation (rounded to the products' dtype, as F.linear under autocast
+rounds it) and the GELU of that rounded value: no pass reads the pre-activation back. Backward, the product of the
+output gradient and proj's weight is multiplied by GELU's derivative at the stored pre-activation before it is
+written: the activation's gradient is never written or read (and is not rounded to bf16 before the multiplication,
+where the unfused path rounds it). The other products (proj forward, the weight gradients, the input gradient)
+are cuBLAS's as before; the weight gradients are written in fp32 and fc's bias gradient summed by `column_sums`,
+as `layers_knowgpt.linear` does for the same layers. GELU is the exact (erf) one, torch's default.
+
+It applies to 2-D or 3-D bf16/fp16 states under autocast on CUDA (or Triton's interpreter); `gelu_products_apply`
+says whether a call qualifies.
+"""
+
+import os
+
+import torch
+from torch.nn import functional as F
+
+from .column_sums import _fp32_weight_gradient, column_sums
+
+try:  # Triton ships with CUDA builds of torch; CPU builds go without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installed torch
+    triton = None
+
+# Tile of the products: rows (tokens) × columns (features) × the inner dimension per step, rows of tiles grouped
+# for the cache, warps and software-pipelining stages. Chosen with benchmarks/diagnostics/gelu_products.py.
+BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 8, 3
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gelu_products_available() -> bool:
+    return triton is not None and (torch.cuda.is_available() or _interpreted())
+
+
+def gelu_products_apply(states: torch.Tensor, fc_weight: torch.Tensor, proj_weight: torch.Tensor) -> bool:
+    """Whether `mlp_with_gelu_in_products` runs its kernels on this call: Triton, a CUDA tensor (or the
+    interpreter), bf16 or fp16 autocast, and weights of matching shapes."""
+    device_type = states.device.type
+    return (
+        triton is not None
+        and (device_type == "cuda" or (_interpreted() and device_type == "cpu"))
+        and torch.is_autocast_enabled(device_type)
+        and torch.get_autocast_dtype(device_type) in (torch.bfloat16, torch.float16)
+        and states.dim() in (2, 3)
+        and fc_weight.shape[1] == states.shape[-1] == proj_weight.shape[0]
+        and proj_weight.shape[1] == fc_weight.shape[0]
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_and_slope(pre):
+        """GELU(u) = u·Φ(u) and its derivative Φ(u) + u·φ(u), in fp32."""
+        cdf = 0.5 * (1.0 + tl.erf(pre * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * pre * pre) * 0.3989422804014327  # 1/√(2π)
+        return pre * cdf, cdf + pre * pdf
+
+    @triton.jit
+    def _product_kernel(
+        A, B, BIAS, PRE, OUT, M, N, K,
+        sa_m, sa_k, sb_k, sb_n,
+        FORWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
+    ):  # fmt: skip
+        """One (BLOCK_M, BLOCK_N) tile of A·B (fp32 sums). FORWARD: + BIAS, written to PRE in its dtype, and
+        the GELU of that rounded value to OUT. Otherwise: times GELU's derivative at PRE, written to OUT. PRE
+        and OUT are contiguous (M, N)."""
+        program = tl.program_id(0)
+        tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+        # Tiles in groups of GROUP_M rows, column after column, so neighbouring programs share A's rows in cache.
+        group = program // (GROUP_M * tiles_n)
+        first_m = group * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        tile_m = first_m + (program % (GROUP_M * tiles_n)) % group_rows
+        tile_n = (program % (GROUP_M * tiles_n)) // group_rows
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for start in range(0, K, BLOCK_K):
+            inner = start + tl.arange(0, BLOCK_K)
+            a = tl.load(
+                A + rows[:, None].to(tl.int64) * sa_m + inner[None, :] * sa_k,
+                mask=(rows < M)[:, None] & (inner < K)[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                B + inner[:, None] * sb_k + cols[None, :] * sb_n,
+                mask=(inner < K)[:, None] & (cols < N)[None, :],
+                other=0.0,
+            )
+            if INTERPRETED:  # the interpreter multiplies half-precision bit patterns as integers
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        inside = (rows < M)[:, None] & (cols < N)[None, :]
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        if FORWARD:
+            bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
+            pre = (acc + bias[None, :]).to(PRE.dtype.element_ty)
+            tl.store(PRE + offsets, pre, mask=inside)
+            out, _ = _gelu_and_slope(pre.to(tl.float32))
+        else:
+            pre = tl.load(PRE + offsets, mask=inside, other=0.0).to(tl.float32)
+            _, slope = _gelu_and_slope(pre)
+            out = acc * slope
+        tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=inside)
+
+    def _launch(a, b, bias, pre, out, forward):
+        (m, k), n = a.shape, b.shape[1]
+        grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+        torch.library.wrap_triton(_product_kernel)[grid](
+            a, b, bias, pre, out, m, n, k, *a.stride(), *b.stride(),
+            FORWARD=forward, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
+            INTERPRETED=_interpreted(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        )  # fmt: skip
+
+    @torch.library.triton_op("knowgpt::gelu_product", mutates_args=())
+    def _gelu_product(
+        states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(states·weightᵀ + bias, its GELU) for (M, K) states and an (N, K) weight, in the states' dtype."""
+        pre = states.new_empty(states.shape[0], weight.shape[0])
+        out = torch.empty_like(pre)
+        _launch(states, weight.t(), bias, pre, out, forward=True)
+        return pre, out
+
+    @torch.library.triton_op("knowgpt::gelu_gradient_product", mutates_args=())
+    def _gelu_gradient_product(grad: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """(grad·weight) ∘ GELU′(pre): the gradient of the pre-activation, for an (M, K) output gradient of a
+        (K, N) weight and the (M, N) pre-activation."""
+        out = torch.empty_like(pre)
+        _launch(grad, weight, pre, pre, out, forward=False)  # BIAS is not read backward: `pre` stands in
+        return out
+
+
+class _MLPWithGeluInProducts(torch.autograd.Function):
+    """proj(gelu(fc(states))) with every product in `dtype`; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, states, fc_weight, fc_bias, proj_weight, proj_bias, dtype):
+        ctx.dtypes = states.dtype, fc_weight.dtype, fc_bias.dtype, proj_weight.dtype, proj_bias.dtype
+        shape = states.shape
+        rows = states.reshape(-1, shape[-1]).to(dtype).contiguous()
+        low_fc_weight, low_proj_weight = fc_weight.to(dtype), proj_weight.to(dtype)
+        pre, activation = _gelu_product(rows, low_fc_weight, fc_bias.to(dtype))
+        out = F.linear(activation, low_proj_weight, proj_bias.to(dtype))
+        ctx.fp32_weight_gradients = _fp32_weight_gradient(rows, fc_weight), _fp32_weight_gradient(rows, proj_weight)
+        ctx.save_for_backward(rows, low_fc_weight, low_proj_weight, pre, activation)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, fc_weight, proj_weight, pre, activation = ctx.saved_tensors
+        states_dtype, fc_weight_dtype, fc_bias_dtype, proj_weight_dtype, proj_bias_dtype = ctx.dtypes
+        fc_fp32, proj_fp32 = ctx.fp32_weight_gradients
+        grad_rows = grad.reshape(-1, grad.shape[-1]).to(rows.dtype).contiguous()
+        grad_proj_weight = _weight_gradient(grad_rows, activation, proj_fp32).to(proj_weight_dtype)
+        grad_proj_bias = grad_rows.sum(0, dtype=torch.float32).to(proj_bias_dtype)
+        grad_pre = _gelu_gradient_product(grad_rows, proj_weight, pre)
+        grad_fc_weight = _weight_gradient(grad_pre, rows, fc_fp32).to(fc_weight_dtype)
+        grad_fc_bias = column_sums(grad_pre).to(fc_bias_dtype)
+        grad_states = (grad_pre @ fc_weight).to(states_dtype).view(*grad.shape[:-1], rows.shape[-1])
+        return grad_states, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias, None
+
+
+def _weight_gradient(grad_rows, input_rows, in_fp32: bool):
+    """gradᵀ·inputs, written in fp32 by the product itself where `in_fp32` (no rounding, no cast after it)."""
+    if in_fp32:
+        return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
+    return grad_rows.t() @ input_rows
+
+
+def mlp_with_gelu_in_products(states, fc_weight, fc_bias, proj_weight, proj_bias):
+    """proj(gelu(fc(states))) in autocast's dtype with GELU inside fc's product forward and inside the
+    gradient's product backward (see the module docstring). Call it where `gelu_products_apply` holds."""
+    dtype = torch.get_autocast_dtype(states.device.type)
+    with torch.autocast(states.device.type, enabled=False):  # the products' dtype is chosen here, once
+        return _MLPWithGeluInProducts.apply(states, fc_weight, fc_bias, proj_weight, proj_bias, dtype)
+
+
+def mlp_reference(states, fc_weight, fc_bias, proj_weight, proj_bias):
+    """The composition the kernels fuse: F.linear, GELU, F.linear (under the caller's autocast)."""
+    return F.linear(F.gelu(F.linear(states, fc_weight, fc_bias)), proj_weight, proj_bias)
+
+
+__all__ = ["gelu_products_apply", "gelu_products_available", "mlp_reference", "mlp_with_gelu_in_products"]
