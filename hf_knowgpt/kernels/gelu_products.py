@@ -12,9 +12,10 @@ fc's product adds the bias, writes the pre-activation (rounded to the products' 
 rounds it) and the GELU of that rounded value: no pass reads the pre-activation back. Backward, the product of the
 output gradient and proj's weight is multiplied by GELU's derivative at the stored pre-activation before it is
 written: the activation's gradient is never written or read (and is not rounded to bf16 before the multiplication,
-where the unfused path rounds it). The other products (proj forward, the weight gradients, the input gradient)
-are cuBLAS's as before; the weight gradients are written in fp32 and fc's bias gradient summed by `column_sums`,
-as `layers_knowgpt.linear` does for the same layers. GELU is the exact (erf) one, torch's default.
+where the unfused path rounds it); the same epilogue sums its tile's columns, so fc's bias gradient needs no pass
+of its own (each tile writes its row of partial sums in fp32, torch adds them: no atomics, a seeded run repeats).
+The other products (proj forward, the weight gradients, the input gradient) are cuBLAS's as before, the weight
+gradients written in fp32 as `layers_knowgpt.linear` writes them. GELU is the exact (erf) one, torch's default.
 
 It applies to 2-D or 3-D bf16/fp16 states under autocast on CUDA (or Triton's interpreter); `gelu_products_apply`
 says whether a call qualifies.
@@ -25,7 +26,7 @@ import os
 import torch
 from torch.nn import functional as F
 
-from .column_sums import _fp32_weight_gradient, column_sums
+from .column_sums import _fp32_weight_gradient
 
 try:  # Triton ships with CUDA builds of torch; CPU builds go without it.
     import triton
@@ -72,14 +73,14 @@ if triton is not None:
 
     @triton.jit
     def _product_kernel(
-        A, B, BIAS, PRE, OUT, M, N, K,
+        A, B, BIAS, PRE, OUT, SUMS, M, N, K,
         sa_m, sa_k, sb_k, sb_n,
         FORWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """One (BLOCK_M, BLOCK_N) tile of A·B (fp32 sums). FORWARD: + BIAS, written to PRE in its dtype, and
-        the GELU of that rounded value to OUT. Otherwise: times GELU's derivative at PRE, written to OUT. PRE
-        and OUT are contiguous (M, N)."""
+        the GELU of that rounded value to OUT. Otherwise: times GELU's derivative at PRE, written to OUT, and the
+        tile's column sums of what was written (fp32) to row `tile_m` of SUMS. PRE and OUT are contiguous (M, N)."""
         program = tl.program_id(0)
         tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
         # Tiles in groups of GROUP_M rows, column after column, so neighbouring programs share A's rows in cache.
@@ -118,13 +119,16 @@ if triton is not None:
             pre = tl.load(PRE + offsets, mask=inside, other=0.0).to(tl.float32)
             _, slope = _gelu_and_slope(pre)
             out = acc * slope
-        tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=inside)
+        out = out.to(OUT.dtype.element_ty)
+        tl.store(OUT + offsets, out, mask=inside)
+        if not FORWARD:  # rows past M are zeros: A's were read as zeros
+            tl.store(SUMS + tile_m * N + cols, tl.sum(out.to(tl.float32), 0), mask=cols < N)
 
-    def _launch(a, b, bias, pre, out, forward):
+    def _launch(a, b, bias, pre, out, sums, forward):
         (m, k), n = a.shape, b.shape[1]
         grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
         torch.library.wrap_triton(_product_kernel)[grid](
-            a, b, bias, pre, out, m, n, k, *a.stride(), *b.stride(),
+            a, b, bias, pre, out, sums, m, n, k, *a.stride(), *b.stride(),
             FORWARD=forward, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=GROUP_M,
             INTERPRETED=_interpreted(), num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
@@ -136,16 +140,20 @@ if triton is not None:
         """(states·weightᵀ + bias, its GELU) for (M, K) states and an (N, K) weight, in the states' dtype."""
         pre = states.new_empty(states.shape[0], weight.shape[0])
         out = torch.empty_like(pre)
-        _launch(states, weight.t(), bias, pre, out, forward=True)
+        unused = torch.empty(1, device=states.device)  # SUMS: written backward only
+        _launch(states, weight.t(), bias, pre, out, unused, forward=True)
         return pre, out
 
     @torch.library.triton_op("knowgpt::gelu_gradient_product", mutates_args=())
-    def _gelu_gradient_product(grad: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        """(grad·weight) ∘ GELU′(pre): the gradient of the pre-activation, for an (M, K) output gradient of a
-        (K, N) weight and the (M, N) pre-activation."""
+    def _gelu_gradient_product(
+        grad: torch.Tensor, weight: torch.Tensor, pre: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad·weight) ∘ GELU′(pre), the gradient of the pre-activation, for an (M, K) output gradient of a
+        (K, N) weight and the (M, N) pre-activation; and its column sums in fp32 (the bias's gradient)."""
         out = torch.empty_like(pre)
-        _launch(grad, weight, pre, pre, out, forward=False)  # BIAS is not read backward: `pre` stands in
-        return out
+        sums = torch.empty(triton.cdiv(pre.shape[0], BLOCK_M), pre.shape[1], device=pre.device)
+        _launch(grad, weight, pre, pre, out, sums, forward=False)  # BIAS is not read backward: `pre` stands in
+        return out, sums.sum(0)
 
 
 class _MLPWithGeluInProducts(torch.autograd.Function):
@@ -171,9 +179,9 @@ class _MLPWithGeluInProducts(torch.autograd.Function):
         grad_rows = grad.reshape(-1, grad.shape[-1]).to(rows.dtype).contiguous()
         grad_proj_weight = _weight_gradient(grad_rows, activation, proj_fp32).to(proj_weight_dtype)
         grad_proj_bias = grad_rows.sum(0, dtype=torch.float32).to(proj_bias_dtype)
-        grad_pre = _gelu_gradient_product(grad_rows, proj_weight, pre)
+        grad_pre, grad_fc_bias = _gelu_gradient_product(grad_rows, proj_weight, pre)
         grad_fc_weight = _weight_gradient(grad_pre, rows, fc_fp32).to(fc_weight_dtype)
-        grad_fc_bias = column_sums(grad_pre).to(fc_bias_dtype)
+        grad_fc_bias = grad_fc_bias.to(fc_bias_dtype)
         grad_states = (grad_pre @ fc_weight).to(states_dtype).view(*grad.shape[:-1], rows.shape[-1])
         return grad_states, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias, None
 
