@@ -91,38 +91,40 @@ if triton is not None:
         tile_n = (program % (GROUP_M * tiles_n)) // group_rows
         rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = (rows < M)[:, None] & (cols < N)[None, :]
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        # What the epilogue reads, loaded before the products so that its latency hides behind them.
+        if FORWARD:
+            bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
+        else:
+            pre = tl.load(PRE + offsets, mask=inside, other=0.0)
+        # Rows and columns past the matrices read wrapped ones (their results are never written), so the loads
+        # need a mask on the inner dimension only: what lets Triton stage them through shared memory.
+        a_pointers = A + (rows % M)[:, None].to(tl.int64) * sa_m + tl.arange(0, BLOCK_K)[None, :] * sa_k
+        b_pointers = B + tl.arange(0, BLOCK_K)[:, None] * sb_k + (cols % N)[None, :] * sb_n
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for start in range(0, K, BLOCK_K):
-            inner = start + tl.arange(0, BLOCK_K)
-            a = tl.load(
-                A + rows[:, None].to(tl.int64) * sa_m + inner[None, :] * sa_k,
-                mask=(rows < M)[:, None] & (inner < K)[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                B + inner[:, None] * sb_k + cols[None, :] * sb_n,
-                mask=(inner < K)[:, None] & (cols < N)[None, :],
-                other=0.0,
-            )
+        for step in range(0, tl.cdiv(K, BLOCK_K)):
+            left = K - step * BLOCK_K
+            a = tl.load(a_pointers, mask=tl.arange(0, BLOCK_K)[None, :] < left, other=0.0)
+            b = tl.load(b_pointers, mask=tl.arange(0, BLOCK_K)[:, None] < left, other=0.0)
             if INTERPRETED:  # the interpreter multiplies half-precision bit patterns as integers
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
-        inside = (rows < M)[:, None] & (cols < N)[None, :]
-        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+            a_pointers += BLOCK_K * sa_k
+            b_pointers += BLOCK_K * sb_k
         if FORWARD:
-            bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
             pre = (acc + bias[None, :]).to(PRE.dtype.element_ty)
             tl.store(PRE + offsets, pre, mask=inside)
             out, _ = _gelu_and_slope(pre.to(tl.float32))
         else:
-            pre = tl.load(PRE + offsets, mask=inside, other=0.0).to(tl.float32)
-            _, slope = _gelu_and_slope(pre)
+            _, slope = _gelu_and_slope(pre.to(tl.float32))
             out = acc * slope
         out = out.to(OUT.dtype.element_ty)
         tl.store(OUT + offsets, out, mask=inside)
-        if not FORWARD:  # rows past M are zeros: A's were read as zeros
-            tl.store(SUMS + tile_m * N + cols, tl.sum(out.to(tl.float32), 0), mask=cols < N)
+        if not FORWARD:
+            column_sums = tl.sum(tl.where(inside, out.to(tl.float32), 0.0), 0)
+            tl.store(SUMS + tile_m * N + cols, column_sums, mask=cols < N)
 
     def _launch(a, b, bias, pre, out, sums, forward):
         (m, k), n = a.shape, b.shape[1]
