@@ -16,7 +16,8 @@ fp32). The products with an fp32 operand — the weights P or the score gradient
 split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
 three parts give fp32's 24 bits, two (the default) about 16, one what the flash kernel keeps. The dropout mask is
 regenerated from the call's seed in the backward pass instead of being stored (four adjacent keys'
-uniforms from each Philox evaluation), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
+uniforms from each Philox evaluation; with `STORED_DROPOUT_MASK` the forward kernel writes it as bits for the
+backward kernel to read instead), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
 fp32 copy of the output rather than from the rounded one.
 
 `fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
