@@ -57,6 +57,7 @@ def gelu_products_apply(states: torch.Tensor, fc_weight: torch.Tensor, proj_weig
         and torch.is_autocast_enabled(device_type)
         and torch.get_autocast_dtype(device_type) in (torch.bfloat16, torch.float16)
         and states.dim() in (2, 3)
+        and states.numel() > 0
         and fc_weight.shape[1] == states.shape[-1] == proj_weight.shape[0]
         and proj_weight.shape[1] == fc_weight.shape[0]
     )
