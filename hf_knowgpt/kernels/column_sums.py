@@ -88,7 +88,7 @@ def _fp32_weight_gradient(states: torch.Tensor, weight: torch.Tensor) -> bool:
     return states.is_cuda and states.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32
 
 
-class _LinearWithSummedBiasGradient(torch.autograd.Function):
+class _LinearWithFp32ParameterGradients(torch.autograd.Function):
     """F.linear(states, weight, bias) computed in `dtype`, its bias gradient summed in fp32 (by `column_sums`
     where `bias_by_kernel`, else by torch), its weight gradient a product written in fp32 where
     `weight_gradient_in_fp32` and `_fp32_weight_gradient` allow; the other gradients are autograd's for the
@@ -135,7 +135,7 @@ def linear_with_summed_bias_gradient(
     products' dtype and then cast to the weight's."""
     device_type = states.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else states.dtype
-    return _LinearWithSummedBiasGradient.apply(states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32)
+    return _LinearWithFp32ParameterGradients.apply(states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32)
 
 
 __all__ = ["column_sums", "column_sums_available", "linear_with_summed_bias_gradient"]
