@@ -135,7 +135,9 @@ def linear_with_summed_bias_gradient(
     products' dtype and then cast to the weight's."""
     device_type = states.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else states.dtype
-    return _LinearWithFp32ParameterGradients.apply(states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32)
+    return _LinearWithFp32ParameterGradients.apply(
+        states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32
+    )
 
 
 __all__ = ["column_sums", "column_sums_available", "linear_with_summed_bias_gradient"]
