@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""The package's Triton kernels built for a GPU architecture without a GPU (`triton.compile` for a target, as a
+CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), its
+shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
+kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), with the dropout mask
+drawn in the backward kernel and stored by the forward one; for the MLP's GELU products at their tile settings.
+A table is printed last.
+
+    pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
+
+Integer arguments are built as Triton specializes them at a launch on the handout's shapes: strides of 1 as
+constants, and sizes and pointers known to be multiples of 16.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from hf_knowgpt.kernels import fused_attention, gelu_products  # noqa: E402
+
+POINTER_TYPES = {
+    "SEED": "*i64", "LENGTHS": "*i32", "STARTS": "*i32", "KEEP_BITS": "*i16", "LSE": "*fp32", "OUT32": "*fp32",
+    "CORRECTION": "*fp32", "COS": "*fp32", "SIN": "*fp32", "BIAS": "*fp32", "GRAD_BIAS": "*fp32", "SUMS": "*fp32",
+}  # fmt: skip
+
+
+def build(kernel, constants, pointers, multiples_of_16, num_warps, num_stages, arch):
+    """`kernel` compiled for `arch` with `constants` as constexprs; `pointers` the arguments that are pointers."""
+    names = kernel.arg_names
+    signature = {
+        name: "constexpr" if name in constants else POINTER_TYPES.get(name, "*bf16") if name in pointers else "i32"
+        for name in names
+    }
+    attributes = {
+        (names.index(name),): [["tt.divisibility", 16]]
+        for name in multiples_of_16
+        if name in names and name not in constants
+    }
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(name),): value for name, value in constants.items()},
+        attrs=attributes,
+    )
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def sass_instructions(compiled) -> int:
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        listing = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in listing.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/\s+\S", line))
+
+
+def attention_builds(arch):
+    """(name, compiled) of the attention's forward and backward kernels, mask drawn and stored."""
+    pointers = [name for name in fused_attention._backward_kernel.arg_names if name.isupper() and len(name) > 1]
+    pointers += ["Q", "K", "V", "QR", "KR", "OUT"]
+    strides_of_one = {"sq_d": 1, "sk_d": 1, "sv_d": 1, "so_d": 1, "sg_d": 1, "sgq_d": 1, "sgk_d": 1, "sgv_d": 1}
+    for stored in (False, True):
+        settings = dict(
+            SCALE=32**-0.5, DROPOUT_P=0.1, HEAD_DIM=32, ROW_STRIDE=128, BLOCK=16, SPLITS=fused_attention.DEFAULT_SPLITS,
+            HAS_LENGTHS=True, PACKED=True, ROTARY=False, KEY_TABLE=False, HAS_BIAS=False,
+            UNIFORMS=fused_attention.UNIFORMS_PER_DRAW, PRECOMPUTED=True, KEEP_BITS_STORED=stored, INTERPRETED=False,
+        )  # fmt: skip
+        way = "mask stored" if stored else "mask drawn"
+        for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
+            constants = {
+                name: value for name, value in {**settings, **strides_of_one}.items() if name in kernel.arg_names
+            }
+            multiples = [name for name in kernel.arg_names if name in pointers or name.startswith("s")]
+            compiled = build(kernel, constants, pointers, multiples, 2, 3, arch)
+            yield f"attention {kernel.fn.__name__.strip('_')}, {way}", compiled
+
+
+def gelu_product_builds(arch):
+    """(name, compiled) of the GELU product kernel forward and backward at the module's tile settings."""
+    kernel = gelu_products._product_kernel
+    tile = dict(
+        BLOCK_M=gelu_products.BLOCK_M, BLOCK_N=gelu_products.BLOCK_N, BLOCK_K=gelu_products.BLOCK_K,
+        GROUP_M=gelu_products.GROUP_M, INTERPRETED=False,
+    )  # fmt: skip
+    # forward: A the (tokens, 256) states, B fc's weight transposed; backward: A the (tokens, 256) gradient, B proj's
+    for forward, strides in ((True, dict(sa_k=1, sb_k=1)), (False, dict(sa_k=1, sb_n=1))):
+        constants = {**tile, **strides, "FORWARD": forward}
+        pointers = ["A", "B", "BIAS", "PRE", "OUT", "SUMS"]
+        multiples = [*pointers, "N", "K", "sa_m", "sb_k", "sb_n"]
+        compiled = build(
+            kernel, constants, pointers, multiples, gelu_products.NUM_WARPS, gelu_products.NUM_STAGES, arch
+        )
+        yield f"GELU product, {'forward' if forward else 'backward'}", compiled
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100, H200)")
+    args = parser.parse_args()
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, without its warning
+    rows = []
+    for name, compiled in [*attention_builds(args.arch), *gelu_product_builds(args.arch)]:
+        ttgir = compiled.asm["ttgir"]
+        rows.append(
+            (
+                name,
+                sass_instructions(compiled),
+                compiled.metadata.shared,
+                "warp_group_dot" in ttgir,
+                "async_copy_global_to_local" in ttgir,
+            )
+        )
+        print(rows[-1], flush=True)
+    print(f"\nTriton {triton.__version__}, built for sm_{args.arch} (static counts, not speeds)")
+    print(f"{'kernel':<40}{'SASS instructions':>19}{'shared bytes':>14}{'wgmma':>7}{'async loads':>13}")
+    for name, instructions, shared, wgmma, asynchronous in rows:
+        print(f"{name:<40}{instructions:>19}{shared:>14}{wgmma!s:>7}{asynchronous!s:>13}")
+
+
+if __name__ == "__main__":
+    main()
