@@ -88,6 +88,14 @@ def _fp32_weight_gradient(states: torch.Tensor, weight: torch.Tensor) -> bool:
     return states.is_cuda and states.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32
 
 
+def weight_gradient(grad_rows: torch.Tensor, input_rows: torch.Tensor, in_fp32: bool) -> torch.Tensor:
+    """gradᵀ·inputs of a linear layer; written in fp32 by the product itself where `in_fp32` (no rounding to the
+    products' dtype, no cast after it: see `_fp32_weight_gradient`)."""
+    if in_fp32:
+        return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
+    return grad_rows.t() @ input_rows
+
+
 class _LinearWithFp32ParameterGradients(torch.autograd.Function):
     """F.linear(states, weight, bias) computed in `dtype`, its bias gradient summed in fp32 (by `column_sums`
     where `bias_by_kernel`, else by torch), its weight gradient a product written in fp32 where
@@ -113,10 +121,7 @@ class _LinearWithFp32ParameterGradients(torch.autograd.Function):
         grad_weight = None
         if needs_weight:
             state_rows = states.reshape(-1, states.shape[-1])
-            if ctx.fp32_weight_gradient:  # no bf16 rounding of the product, no cast after it
-                grad_weight = torch.mm(grad_rows.t(), state_rows, out_dtype=torch.float32)
-            else:
-                grad_weight = (grad_rows.t() @ state_rows).to(weight_dtype)
+            grad_weight = weight_gradient(grad_rows, state_rows, ctx.fp32_weight_gradient).to(weight_dtype)
         grad_bias = column_sums(grad_rows) if ctx.bias_by_kernel else grad_rows.sum(0, dtype=torch.float32)
         return grad_states, grad_weight, grad_bias.to(bias_dtype), None, None, None
 

@@ -543,7 +543,6 @@ if triton is not None:
         rotated_query = torch.empty_like(query) if rotary else query.new_empty(0)
         rotated_key = torch.empty_like(key) if rotary else key.new_empty(0)
         rotated_strides = [*strides(rotated_query), *strides(rotated_key)] if rotary else [0] * 8  # never read
-        keep_bits_stored = keep_bits_stored and dropout_p > 0
         keep_bits = _keep_bits(batch * heads, length, query.device) if keep_bits_stored else query.new_empty(0)
         _launch(
             _forward_kernel, shape, lengths, starts, rotary, key.dim() == 2, bias, scale, dropout_p, splits, block_size,
@@ -590,7 +589,6 @@ if triton is not None:
         # A shared table's gradient sums every sequence's and head's share: each program writes its own.
         grad_k = torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
         grad_bias = torch.empty(batch * heads, length, device=key.device) if bias is not None else key.new_empty(0)
-        keep_bits_stored = keep_bits_stored and dropout_p > 0
         launch = lambda kernel: _launch(  # noqa: E731
             kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits, block_size,
             keep_bits_stored,
@@ -729,7 +727,8 @@ def fused_causal_attention(
         bias = bias[:seq_len].float()
     out, *_ = _causal_attention_forward(
         query, key, value, seed, lengths, starts, cos, sin, bias, seq_len,
-        float(scale), float(dropout_p), int(splits), int(block_size), STORED_DROPOUT_MASK and _training(query, key, value),
+        float(scale), float(dropout_p), int(splits), int(block_size),
+        STORED_DROPOUT_MASK and dropout_p > 0 and _training(query, key, value),
     )  # fmt: skip
     return out
 

@@ -21,26 +21,18 @@ It applies to 2-D or 3-D bf16/fp16 states under autocast on CUDA (or Triton's in
 says whether a call qualifies.
 """
 
-import os
-
 import torch
 from torch.nn import functional as F
 
-from .column_sums import _fp32_weight_gradient
+from .column_sums import _fp32_weight_gradient, weight_gradient
+from .fused_attention import _interpreted, triton
 
-try:  # Triton ships with CUDA builds of torch; CPU builds go without it.
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installed torch
-    triton = None
 
 # Tile of the products: rows (tokens) × columns (features) × the inner dimension per step, rows of tiles grouped
 # for the cache, warps and software-pipelining stages. Chosen with benchmarks/diagnostics/gelu_products.py.
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 8, 3
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gelu_products_available() -> bool:
@@ -180,20 +172,13 @@ class _MLPWithGeluInProducts(torch.autograd.Function):
         states_dtype, fc_weight_dtype, fc_bias_dtype, proj_weight_dtype, proj_bias_dtype = ctx.dtypes
         fc_fp32, proj_fp32 = ctx.fp32_weight_gradients
         grad_rows = grad.reshape(-1, grad.shape[-1]).to(rows.dtype).contiguous()
-        grad_proj_weight = _weight_gradient(grad_rows, activation, proj_fp32).to(proj_weight_dtype)
+        grad_proj_weight = weight_gradient(grad_rows, activation, proj_fp32).to(proj_weight_dtype)
         grad_proj_bias = grad_rows.sum(0, dtype=torch.float32).to(proj_bias_dtype)
         grad_pre, grad_fc_bias = _gelu_gradient_product(grad_rows, proj_weight, pre)
-        grad_fc_weight = _weight_gradient(grad_pre, rows, fc_fp32).to(fc_weight_dtype)
+        grad_fc_weight = weight_gradient(grad_pre, rows, fc_fp32).to(fc_weight_dtype)
         grad_fc_bias = grad_fc_bias.to(fc_bias_dtype)
         grad_states = (grad_pre @ fc_weight).to(states_dtype).view(*grad.shape[:-1], rows.shape[-1])
         return grad_states, grad_fc_weight, grad_fc_bias, grad_proj_weight, grad_proj_bias, None
-
-
-def _weight_gradient(grad_rows, input_rows, in_fp32: bool):
-    """gradᵀ·inputs, written in fp32 by the product itself where `in_fp32` (no rounding, no cast after it)."""
-    if in_fp32:
-        return torch.mm(grad_rows.t(), input_rows, out_dtype=torch.float32)
-    return grad_rows.t() @ input_rows
 
 
 def mlp_with_gelu_in_products(states, fc_weight, fc_bias, proj_weight, proj_bias):
