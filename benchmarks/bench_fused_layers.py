@@ -4,13 +4,17 @@ against the plain PyTorch composition, forward + backward, on a CUDA GPU. Prints
 
     python benchmarks/bench_fused_layers.py [--reps 200] [--dropout 0.1]
 
-Shapes: the handouts' (16384 rows = 128 sequences × 128 positions, n_embd 256) and the knowledge runs'
-(65536 rows, n_embd 512); the MLP's GELU runs on rows 4·n_embd wide. Dtypes: `fp32` (all fp32), `autocast`
+Shapes: the handouts' (16384 rows = 128 sequences × 128 positions, n_embd 256), the handout recipe's packed
+step (7680 tokens, n_embd 256) and the knowledge runs' (65536 rows, n_embd 512); the MLP's GELU runs on rows
+4·n_embd wide. Dtypes: `fp32` (all fp32), `autocast`
 (as the model trains under bf16 autocast: the residual stream fp32, the branch and the MLP's hidden states
 bf16, parameters fp32), `bf16` (all activations bf16, parameters fp32). PyTorch runs under bf16 autocast
 for the last two, as the model does. `torch` for bias + GELU is gelu(x + bias) in x's dtype; `torch gelu
 only` times gelu(x) alone, what the model pays when the bias is added inside the matmul, the bound a fused
-bias + GELU must beat. Each time is the median of `--reps` forward + backward passes, timed with CUDA events:
+bias + GELU must beat. `torch compiled` is the residual's composition compiled by inductor, its LayerNorm's
+output cast to bf16 under autocast as the next layer casts it: what a compiled training step runs without
+`--fused_layers`; `fused, normalized bf16` writes that output in bf16 itself, as the model asks under autocast.
+Each time is the median of `--reps` forward + backward passes, timed with CUDA events:
 `graphed`, one CUDA graph of the pass replayed (GPU time alone, as the graphed training step runs it), and
 `eager`, the pass launched from Python (launch overhead included: at the handouts' shape it dominates).
 The speed-up compares graphed times.
@@ -31,7 +35,7 @@ from bench_attention import graphed  # noqa: E402
 from hf_knowgpt.kernels import fused_layers  # noqa: E402
 from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
-SHAPES = {"handout": (16384, 256), "knowledge": (65536, 512)}
+SHAPES = {"handout": (16384, 256), "handout-packed": (7680, 256), "knowledge": (65536, 512)}
 EPS = 1e-5
 
 
@@ -112,6 +116,15 @@ def main():
     def fused_layer(residual, branch, weight, bias):
         return fused_layers.fused_residual_layer_norm(residual, branch, weight, bias, EPS, p, True)
 
+    def fused_layer_low(residual, branch, weight, bias):
+        return fused_layers.fused_residual_layer_norm(
+            residual, branch, weight, bias, EPS, p, True, normalized_dtype=torch.bfloat16
+        )
+
+    def torch_layer_for_the_next_product(residual, branch, weight, bias):
+        new, normalized = torch_layer(residual, branch, weight, bias)
+        return new, normalized.to(torch.bfloat16) if torch.is_autocast_enabled("cuda") else normalized
+
     rows_out = []
     for shape_name in args.shapes:
         rows, width = SHAPES[shape_name]
@@ -119,9 +132,13 @@ def main():
             torch.manual_seed(0)
             layer, gelu = layer_inputs(rows, width, dtype)
             autocast = dtype != "fp32"
+            torch._dynamo.reset()  # each shape and dtype compiled afresh, as a step compiles its own
+            compiled_layer = torch.compile(torch_layer_for_the_next_product, dynamic=False)
             variants = [
                 (f"residual+dropout({p})+LN", (rows, width), "torch", forward_backward(torch_layer, layer, autocast)),
+                (f"residual+dropout({p})+LN", (rows, width), "torch compiled", forward_backward(compiled_layer, layer, autocast)),
                 (f"residual+dropout({p})+LN", (rows, width), "fused", forward_backward(fused_layer, layer, False)),
+                *([(f"residual+dropout({p})+LN", (rows, width), "fused, normalized bf16", forward_backward(fused_layer_low, layer, False))] if autocast else []),
                 ("bias+GELU", (rows, 4 * width), "torch", forward_backward(fused_layers.bias_gelu_reference, gelu, False)),
                 ("bias+GELU", (rows, 4 * width), "torch gelu only", forward_backward(F.gelu, gelu[:1], False)),
                 ("bias+GELU", (rows, 4 * width), "fused", forward_backward(fused_layers.fused_bias_gelu, gelu, False)),

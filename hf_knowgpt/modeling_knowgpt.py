@@ -72,6 +72,16 @@ def _fused_layers():
     return fused_layers
 
 
+def _residual_layer_norm(hidden_states, branch, norm: nn.LayerNorm, dropout_p: float):
+    """(hidden_states + dropout(branch), norm of that sum) by the fused kernel, in training; the normalized
+    states in autocast's dtype where it is on (what the next layer's product takes), else the sum's."""
+    device_type = hidden_states.device.type
+    low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return _fused_layers().fused_residual_layer_norm(
+        hidden_states, branch, norm.weight, norm.bias, norm.eps, dropout_p, True, normalized_dtype=low
+    )
+
+
 class KnowGPTMLP(nn.Module):
     def __init__(self, config: KnowGPTConfig):
         super().__init__()
@@ -81,9 +91,12 @@ class KnowGPTMLP(nn.Module):
         self.dropout = KnowGPTDropout(config.resid_pdrop)
 
     def forward(self, hidden_states):
-        # The bias rides in the matrix product's epilogue; a fused bias + GELU kernel after a bias-free product
-        # was slower than this GELU alone (benchmarks/bench_fused_layers.py).
-        return self.dropout(mlp(hidden_states, self.fc, self.act, self.proj))
+        return self.dropout(self.branch(hidden_states))
+
+    def branch(self, hidden_states):
+        """The MLP before its dropout. The bias rides in the matrix product's epilogue; a fused bias + GELU
+        kernel after a bias-free product was slower than this GELU alone (benchmarks/bench_fused_layers.py)."""
+        return mlp(hidden_states, self.fc, self.act, self.proj)
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
@@ -102,14 +115,19 @@ class KnowGPTBlock(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, grid, context, cache=None):
         attended, weights = self.attn(self.ln1(hidden_states), grid, context, cache)
-        if context.fused_layers:  # dropout, residual sum and ln2 in one kernel; the branch comes undropped
-            ln2 = self.ln2
-            hidden_states, normalized = _fused_layers().fused_residual_layer_norm(
-                hidden_states, attended, ln2.weight, ln2.bias, ln2.eps, self.attn.resid_dropout.p, self.training
-            )
-            return hidden_states + self.mlp(normalized), weights
         hidden_states = hidden_states + attended
         return hidden_states + self.mlp(self.ln2(hidden_states)), weights
+
+    def forward_fused(self, hidden_states, normalized, norm_after: nn.LayerNorm, grid, context, cache=None):
+        """forward() in training with the fused kernels (`KnowGPTModel.fused_layers`), given ln1(hidden_states)
+        as `normalized`: each residual sum runs with its branch's dropout and the LayerNorm after it (ln2, then
+        `norm_after`: the next block's ln1 or the final LayerNorm) in one kernel. Returns (the block's output,
+        norm_after of it, attention weights or None)."""
+        attended, weights = self.attn(normalized, grid, context, cache)  # undropped: context.fused_layers
+        hidden_states, normalized = _residual_layer_norm(hidden_states, attended, self.ln2, self.attn.resid_dropout.p)
+        branch = self.mlp.branch(normalized)
+        hidden_states, normalized = _residual_layer_norm(hidden_states, branch, norm_after, self.mlp.dropout.p)
+        return hidden_states, normalized, weights
 
 
 class KnowGPTPerceiverDownBlock(GradientCheckpointingLayer):
@@ -260,9 +278,11 @@ class KnowGPTEmbedding(nn.Embedding):
 class KnowGPTModel(KnowGPTPreTrainedModel):
     """The KnowGPT backbone: embeddings, blocks and final LayerNorm; returns the last hidden states.
 
-    `fused_layers` (off unless set; the trainer sets it for uncompiled training on a GPU with Triton): in
-    training, each block computes its attention branch's dropout, the residual sum and ln2 in one Triton
-    kernel (`hf_knowgpt.kernels.fused_layers`).
+    `fused_layers` (off unless set; the trainer sets it under `--fused_layers` on a GPU with Triton): in
+    training without gradient checkpointing, every residual sum (the attention's and the MLP's of each block)
+    runs with its branch's dropout and the LayerNorm that follows it (ln2, the next block's ln1, ln_f) as one
+    Triton kernel each way (`hf_knowgpt.kernels.fused_layers`, `KnowGPTBlock.forward_fused`); under autocast
+    the LayerNorms' outputs, the last hidden state included, come in autocast's dtype.
 
     `attention_by_length` (off unless set; the trainer sets it for training on a CPU, whose packed batches it
     orders longest first): packed causal self-attention runs group by group of rows, each group only as
@@ -363,7 +383,12 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             implementation = "eager"
         context = self._attention_context(given.device, batch_size, seq_len, past_length, attention_mask, position_ids)
         context.implementation = implementation
-        context.fused_layers = self.fused_layers and self.training
+        context.fused_layers = (
+            self.fused_layers
+            and self.training
+            and config.attention_type != "perceiver"
+            and not any(block.gradient_checkpointing for block in self.blocks)  # forward_fused does not checkpoint
+        )
         context.by_length = self.attention_by_length
         grid = TokenGrid(batch_size, seq_len, token_index)
         if inputs_embeds is None:
@@ -378,13 +403,23 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
 
         if config.attention_type == "perceiver":
             hidden_states, states, attentions = self._perceiver_forward(hidden_states, grid, context, cache)
+        elif context.fused_layers:
+            states, attentions = [], []
+            normalized = self.blocks[0].ln1(hidden_states)
+            norms_after = [*(block.ln1 for block in self.blocks[1:]), self.ln_f]
+            for block, norm_after in zip(self.blocks, norms_after):
+                hidden_states, normalized, weights = block.forward_fused(
+                    hidden_states, normalized, norm_after, grid, context, cache=cache
+                )
+                states.append(hidden_states)
+                attentions.append(weights)
         else:
             states, attentions = [], []
             for block in self.blocks:
                 hidden_states, weights = block(hidden_states, grid, context, cache=cache)
                 states.append(hidden_states)
                 attentions.append(weights)
-        hidden_states = self.ln_f(hidden_states)
+        hidden_states = normalized if context.fused_layers else self.ln_f(hidden_states)
 
         output = _with_cache(
             BaseModelOutputWithPast,

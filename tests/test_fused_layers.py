@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import KERNEL_DEVICE as DEVICE
-from conftest import KERNEL_SKIP, needs_kernel
+from conftest import KERNEL_SKIP, needs_kernel, tiny_config
 from conftest import TRITON_INTERPRETED as INTERPRETED
 
 from hf_knowgpt.kernels import fused_layers
@@ -112,6 +112,37 @@ def test_residual_layer_norm_mixed_dtypes_as_under_autocast():
 
 
 @needs_kernel
+def test_normalized_written_in_the_next_layers_dtype():
+    """`normalized_dtype=torch.bfloat16` (what the model asks under bf16 autocast): the LayerNorm's output is
+    the fp32 one rounded to bf16, and every gradient is the one the fp32 output gets from that bf16 gradient
+    (as autocast's cast passes it back), bit for bit (the output within a unit of bf16 under the interpreter,
+    which rounds toward zero); the new residual stays fp32."""
+    torch.manual_seed(0)
+    shape, dropout_p = (40, 96), 0.1
+    residual, branch, weight, bias = layer_inputs(shape, torch.bfloat16, residual_dtype=torch.float32)
+    inputs = (residual, branch, weight, bias)
+    seed = torch.tensor([11], dtype=torch.int64, device=DEVICE)
+    grad_new = torch.randn(shape, device=DEVICE)
+    grad_normalized = torch.randn(shape, device=DEVICE).bfloat16()
+    results = []
+    for normalized_dtype in (None, torch.bfloat16):
+        new, normalized = fused_residual_layer_norm(
+            residual, branch, weight, bias, EPS, dropout_p, True, seed=seed, normalized_dtype=normalized_dtype
+        )
+        grads = torch.autograd.grad((new, normalized), inputs, (grad_new, grad_normalized.to(normalized.dtype)))
+        results.append((new, normalized, grads))
+    (new, normalized, grads), (new_low, normalized_low, grads_low) = results
+    assert new_low.dtype == torch.float32 and normalized_low.dtype == torch.bfloat16
+    assert torch.equal(new_low, new)
+    if INTERPRETED:  # the interpreter rounds fp32 to bf16 toward zero, the GPU to nearest: one unit apart at most
+        torch.testing.assert_close(normalized_low.float(), normalized.bfloat16().float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(normalized_low, normalized.bfloat16())
+    for name, got, want in zip(("residual", "branch", "weight", "bias"), grads_low, grads):
+        assert torch.equal(got, want), f"gradient of {name}"
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 384), (2, 19, 384), (70, 1024), (9, 2048)], ids=str)
 def test_bias_gelu_matches_fp64_reference(shape, dtype):
@@ -131,19 +162,26 @@ def test_bias_gelu_matches_fp64_reference(shape, dtype):
 
 
 @needs_kernel
-def test_kernel_drops_what_the_mask_function_drops():
+@pytest.mark.parametrize("width", [96, 90])
+def test_kernel_drops_what_the_mask_function_drops(width):
     """With a zero residual and a branch of ones, the new residual is the kernel's mask scaled by 1/(1 − p):
-    the mask `residual_dropout_keep_mask` gives, offset included."""
-    shape, dropout_p = (33, 96), 0.25
-    zeros, ones = torch.zeros(shape, device=DEVICE), torch.ones(shape, device=DEVICE)
-    weight, bias = torch.ones(96, device=DEVICE), torch.zeros(96, device=DEVICE)
+    the mask `residual_dropout_keep_mask` draws element by element, offset included; forward and backward
+    alike. Width 96 with offsets that are multiples of 4 takes the tiles' path of one Philox evaluation per
+    four elements; width 90, or an offset of 1003, the path of one per element."""
+    shape, dropout_p = (33, width), 0.25
+    zeros = torch.zeros(shape, device=DEVICE)
+    weight, bias = torch.ones(width, device=DEVICE), torch.zeros(width, device=DEVICE)
     seed = torch.tensor([77], dtype=torch.int64, device=DEVICE)
-    for offset in (0, 1000):
+    for offset in (0, 1000, 1003):
+        ones = torch.ones(shape, device=DEVICE, requires_grad=True)
         new, _ = fused_residual_layer_norm(zeros, ones, weight, bias, EPS, dropout_p, True, seed=seed, offset=offset)
         keep = residual_dropout_keep_mask(seed, shape, dropout_p, offset=offset)
-        assert torch.equal(new, torch.where(keep, torch.tensor(1 / (1 - dropout_p)), 0.0))
-    shifted = residual_dropout_keep_mask(seed, (2 * 33 * 96,), dropout_p)[33 * 96 :]  # counters continue
-    assert torch.equal(residual_dropout_keep_mask(seed, shape, dropout_p, offset=33 * 96), shifted.view(shape))
+        scaled = torch.where(keep, torch.tensor(1 / (1 - dropout_p)), 0.0)
+        assert torch.equal(new, scaled)
+        (grad_branch,) = torch.autograd.grad(new.sum(), ones)
+        assert torch.equal(grad_branch, scaled)
+    shifted = residual_dropout_keep_mask(seed, (2 * 33 * width,), dropout_p)[33 * width :]  # counters continue
+    assert torch.equal(residual_dropout_keep_mask(seed, shape, dropout_p, offset=33 * width), shifted.view(shape))
 
 
 @needs_kernel
@@ -153,6 +191,10 @@ def test_dropout_mask_rate_and_repeatability():
     assert abs(keep.float().mean().item() - 0.9) < 0.005  # 262,144 draws: σ ≈ 0.0006
     assert torch.equal(keep, residual_dropout_keep_mask(seed, (256, 1024), 0.1))
     assert (keep != residual_dropout_keep_mask(seed + 1, (256, 1024), 0.1)).float().mean() > 0.1  # ~18% apart
+    # Neighbours that share a Philox evaluation are drawn apart: both dropped about p² = 1% of the time, not p.
+    lanes = (~keep).view(-1, 4).float()
+    for lane in range(1, 4):
+        assert abs((lanes[:, 0] * lanes[:, lane]).mean().item() - 0.01) < 0.003  # 65,536 pairs: σ ≈ 0.0004
     # Each call draws its seed from torch's generator: two calls differ, a reseeded call repeats.
     residual, branch, weight, bias = layer_inputs((20, 96), torch.float32)
     torch.manual_seed(3)
@@ -292,3 +334,35 @@ def test_compiled_and_graphed_calls_match_eager():
     graph.replay()
     for got, want in zip(captured, eager):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or INTERPRETED or KERNEL_SKIP is not None, reason="needs a CUDA device"
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_model_trains_alike_with_fused_layers(compiled):
+    """A model's loss and every parameter's gradient under bf16 autocast, without dropout, are the plain blocks'
+    to within bf16's precision with every residual sum and LayerNorm fused (`KnowGPTModel.fused_layers`), eager
+    and compiled by inductor for a symbolic token count, as the training step is."""
+    from hf_knowgpt import KnowGPTForCausalLM
+
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(tiny_config(resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)).cuda().train()
+    ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
+    seen = []
+    for fused in (False, True):
+        model.transformer.fused_layers = fused
+        model.zero_grad()
+        step = torch.compile(model, dynamic=True) if compiled else model
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step(input_ids=ids, labels=ids).loss
+        loss.backward()
+        seen.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+        torch._dynamo.reset()
+    (loss, grads), (loss2, grads2) = seen
+    torch.testing.assert_close(loss2, loss, rtol=2**-7, atol=0)
+    overall_largest = max(grad.abs().max().item() for grad in grads.values())
+    for name, grad in grads.items():
+        # the LayerNorms' sums in another order can move a bf16 rounding of their outputs by a unit
+        bound = 2**-6 * max(grad.abs().max().item(), 2**-6 * overall_largest)
+        torch.testing.assert_close(grads2[name], grad, rtol=2**-5, atol=bound, msg=lambda t, n=name: f"{n}: {t}")

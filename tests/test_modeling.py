@@ -345,23 +345,46 @@ def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four()
 
 @pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_fused_layers_train_as_the_plain_blocks(attention_type, packed):
+def test_fused_layers_train_as_the_plain_blocks(attention_type, packed, monkeypatch):
     """Without dropout, a training step through the fused residual + LayerNorm (the kernel under
-    TRITON_INTERPRET=1 or on a GPU, its plain fallback elsewhere) gives the plain blocks' loss and gradients;
-    in evaluation the flag changes nothing."""
+    TRITON_INTERPRET=1 or on a GPU, its plain fallback elsewhere) gives the plain blocks' loss, gradients and
+    hidden states: every residual sum goes through it, two per block, the last with ln_f. In evaluation, or
+    with gradient checkpointing, the flag changes nothing."""
+    from hf_knowgpt.kernels import fused_layers
+
+    calls = []
+    fused_function = fused_layers.fused_residual_layer_norm
+    monkeypatch.setattr(
+        fused_layers,
+        "fused_residual_layer_norm",
+        lambda *args, **kwargs: calls.append(args[2]) or fused_function(*args, **kwargs),
+    )
     ids = random_ids(3, 12)
     token_index = torch.cat([row * 12 + torch.arange(n) for row, n in enumerate([12, 7, 3])]) if packed else None
     results = []
     for fused in (False, True):
         model = make_model(attention_type, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
         model.transformer.fused_layers = fused
-        out = model(ids, labels=ids, token_index=token_index, use_cache=False)
+        out = model(ids, labels=ids, token_index=token_index, use_cache=False, output_hidden_states=True)
         out.loss.backward()
-        results.append((out.loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+        results.append(
+            (out.loss.detach(), out.hidden_states, {name: p.grad.clone() for name, p in model.named_parameters()})
+        )
+        if fused:
+            blocks = model.transformer.blocks
+            norms = [norm for block, after in zip(blocks, [*(b.ln1 for b in blocks[1:]), model.transformer.ln_f])
+                     for norm in (block.ln2, after)]  # fmt: skip
+            assert [id(weight) for weight in calls] == [id(norm.weight) for norm in norms]
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # 5.x's name
+            calls.clear()
+            model(ids, labels=ids, token_index=token_index, use_cache=False).loss.backward()
+            assert not calls
         with torch.no_grad():
             assert torch.equal(model.eval()(ids).logits, make_model(attention_type)(ids).logits)
-    (plain_loss, plain_grads), (fused_loss, fused_grads) = results
+    (plain_loss, plain_states, plain_grads), (fused_loss, fused_states, fused_grads) = results
     assert torch.allclose(plain_loss, fused_loss, atol=1e-6)
+    for plain, fused in zip(plain_states, fused_states, strict=True):
+        assert torch.allclose(plain, fused, atol=1e-5)
     for name in plain_grads:
         assert torch.allclose(plain_grads[name], fused_grads[name], atol=1e-5), name
 

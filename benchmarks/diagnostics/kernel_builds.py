@@ -3,8 +3,10 @@
 CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), its
 shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), with the dropout mask
-drawn in the backward kernel and stored by the forward one; for the MLP's GELU products at their tile settings.
-A table is printed last.
+drawn in the backward kernel and stored by the forward one; for the MLP's GELU products at their tile settings;
+for the residual + dropout + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16
+branch and normalized output), their dropout drawn one Philox evaluation per four elements and per element. A
+table is printed last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
 
@@ -26,7 +28,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_knowgpt.kernels import fused_attention, gelu_products  # noqa: E402
+from hf_knowgpt.kernels import fused_attention, fused_layers, gelu_products  # noqa: E402
 
 POINTER_TYPES = {
     "SEED": "*i64", "LENGTHS": "*i32", "STARTS": "*i32", "KEEP_BITS": "*i16", "LSE": "*fp32", "OUT32": "*fp32",
@@ -35,12 +37,11 @@ POINTER_TYPES = {
 
 
 def build(kernel, constants, pointers, multiples_of_16, num_warps, num_stages, arch):
-    """`kernel` compiled for `arch` with `constants` as constexprs; `pointers` the arguments that are pointers."""
+    """`kernel` compiled for `arch` with `constants` as constexprs; `pointers` the arguments that are pointers (a
+    list, typed by POINTER_TYPES or else bf16, or a dict of their types)."""
     names = kernel.arg_names
-    signature = {
-        name: "constexpr" if name in constants else POINTER_TYPES.get(name, "*bf16") if name in pointers else "i32"
-        for name in names
-    }
+    types = pointers if isinstance(pointers, dict) else {name: POINTER_TYPES.get(name, "*bf16") for name in pointers}
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
     attributes = {
         (names.index(name),): [["tt.divisibility", 16]]
         for name in multiples_of_16
@@ -104,13 +105,34 @@ def gelu_product_builds(arch):
         yield f"GELU product, {'forward' if forward else 'backward'}", compiled
 
 
+def residual_layer_norm_builds(arch):
+    """(name, compiled) of the residual + dropout + LayerNorm kernels forward and backward at 256 wide, as the model
+    launches them under bf16 autocast (`fused_layers._tile`), with and without four elements per Philox evaluation."""
+    block_rows, block_cols, num_warps = fused_layers._tile(256)
+    pointers = {
+        "RESIDUAL": "*fp32", "BRANCH": "*bf16", "WEIGHT": "*fp32", "BIAS": "*fp32", "SEED": "*i64",
+        "NEW_RESIDUAL": "*fp32", "NORMALIZED": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32", "GRAD_NEW": "*fp32",
+        "GRAD_NORMALIZED": "*bf16", "GRAD_RESIDUAL": "*fp32", "GRAD_BRANCH": "*bf16", "GRAD_WEIGHT_PARTS": "*fp32",
+        "GRAD_BIAS_PARTS": "*fp32",
+    }  # fmt: skip
+    for quads in (True, False):
+        way = "4 per Philox" if quads else "1 per Philox"
+        for kernel in (fused_layers._residual_layer_norm_forward, fused_layers._residual_layer_norm_backward):
+            constants = dict(DROPOUT_P=0.1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=quads)
+            types = {name: kind for name, kind in pointers.items() if name in kernel.arg_names} | {"eps": "fp32"}
+            multiples = [*(name for name in types if name.isupper()), "n_rows", "n_cols", "offset"]  # 7680, 256, 0
+            compiled = build(kernel, constants, types, multiples, num_warps, 3, arch)
+            yield f"residual LayerNorm {kernel.fn.__name__.split('_')[-1]}, {way}", compiled
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100, H200)")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, without its warning
     rows = []
-    for name, compiled in [*attention_builds(args.arch), *gelu_product_builds(args.arch)]:
+    builds = [*attention_builds(args.arch), *gelu_product_builds(args.arch), *residual_layer_norm_builds(args.arch)]
+    for name, compiled in builds:
         ttgir = compiled.asm["ttgir"]
         rows.append(
             (

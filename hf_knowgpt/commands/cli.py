@@ -247,8 +247,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, stage: str | None):
     )  # fmt: skip
     group.add_argument(
         "--fused_layers", dest=f"{section}.fused_layers", action=BooleanFlag,
-        help="on a GPU without --torch_compile: each block's dropout, residual sum and LayerNorm as one fused "
-        "Triton kernel (default off)",
+        help="on a GPU: each residual sum with its dropout and the LayerNorm after it as one fused Triton kernel "
+        "each way (default off)",
     )  # fmt: skip
     _value(
         group, "--logging_steps", f"{section}.log_every", "steps between loss reports (50)",

@@ -176,8 +176,7 @@ if triton is not None:
     @triton.jit
     def _dropout_keep_at(seed_pointer, offsets, dropout_p):
         """Whether the elements numbered `offsets` survive dropout: a uniform (Philox) per number from the
-        call's seed, so a backward kernel regenerates the mask instead of reading a stored one. `fused_layers`
-        draws its masks this way."""
+        call's seed, so a backward kernel regenerates the mask instead of reading a stored one."""
         return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
 
     @triton.jit
@@ -189,7 +188,7 @@ if triton is not None:
         (batch·head, query, key) from the call's seed, drawn identically by the forward and the backward
         kernel, whatever their block size. With UNIFORMS 4, each Philox evaluation's four outputs serve
         four adjacent keys (a quarter of the generator's work); with 1, each key takes the first output of
-        its own evaluation, as the layers' kernels draw."""
+        its own evaluation."""
         if UNIFORMS == 4:
             quads = first_col // 4 + tl.arange(0, COLS // 4)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 4) + quads[None, :]

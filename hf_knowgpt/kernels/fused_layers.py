@@ -9,8 +9,10 @@ way over the (tokens, 4·n_embd) ones. Here each is one kernel forward and one b
   `new = residual + dropout(branch)` and `layer_norm(new)` in one pass over the rows (statistics in fp32),
   and in the backward pass the gradients of residual, branch, weight and bias in one more (the gradient of
   `new` arrives from both outputs). The dropout mask is never stored: both kernels draw it from the call's
-  seed with `fused_attention`'s counter-based mask (element i of the call keeps its value when the Philox
-  uniform of counter offset + i is at least dropout_p), so only the seed and offset are kept for backward.
+  seed (element n = offset + i of the call keeps its value when uniform n is at least dropout_p, uniform n
+  being output n mod 4 of the four Philox gives at counter n // 4, so each evaluation serves four adjacent
+  elements), and only the seed and offset are kept for backward. `normalized_dtype` writes the
+  LayerNorm's output in the dtype the next layer takes (bf16 under autocast) instead of casting it after.
 - `fused_bias_gelu(x, bias)` gives `gelu(x + bias)` (the exact erf GELU, torch's default) and in the
   backward pass the gradients of x and bias (the bias's summed in fp32 inside the kernel).
 
@@ -32,8 +34,6 @@ from .fused_attention import _interpreted, triton
 
 if triton is not None:
     import triton.language as tl
-
-    from .fused_attention import _dropout_keep_at
 
 # The widest row (n_embd) the LayerNorm kernel takes: a row lies in one program's registers.
 MAX_WIDTH = 1024
@@ -81,21 +81,46 @@ def _tile(width: int, max_block: int | None = None) -> tuple[int, int, int]:
 def _reducing_programs(device, tiles: int) -> int:
     """Programs for a backward kernel that also sums over rows: a few per multiprocessor, each looping over
     tiles and writing one partial sum per column, so the sum needs neither atomics nor a (rows, width)
-    buffer. (Two in the interpreter, where programs run one after another: enough to test the loop.)"""
+    buffer. On a GPU the count does not depend on the rows (programs past the last tile write zeros), so a
+    step compiled for any number of tokens keeps one graph. (At most two in the interpreter, where programs
+    run one after another: enough to test the loop.)"""
     if device.type == "cuda":
-        programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        programs = 2
-    return max(1, min(tiles, programs))
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, 2))
 
 
 if triton is not None:
 
     @triton.jit
-    def _dropped(values, SEED, offsets, DROPOUT_P: tl.constexpr):
-        """Dropout of fp32 values numbered `offsets`: zeros where the shared mask drops them, the others
-        scaled by 1 / (1 − p)."""
-        keep = _dropout_keep_at(SEED, offsets, DROPOUT_P)
+    def _uniforms_at(seed, numbers):
+        """Uniform n for each element number n: output n mod 4 of Philox's four at counter n // 4."""
+        first, second, third, fourth = tl.rand4x(seed, numbers // 4)
+        lane = numbers % 4
+        return tl.where(lane == 0, first, tl.where(lane == 1, second, tl.where(lane == 2, third, fourth)))
+
+    @triton.jit
+    def _keep_in_tile(
+        SEED, rows, n_cols, offset, DROPOUT_P: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr
+    ):  # fmt: skip
+        """Which elements of a tile of rows (all BLOCK_COLS columns, padding included) survive dropout: element
+        number n = offset + row · n_cols + column keeps its value where `_uniforms_at` gives at least p. With
+        QUADS (offset and n_cols multiples of 4, so columns 4q … 4q + 3 share counter n // 4) one Philox
+        evaluation serves the four; otherwise each element evaluates its own counter."""
+        seed = tl.load(SEED)
+        firsts = offset + rows.to(tl.int64) * n_cols  # each row's element number at column 0
+        if QUADS:
+            counters = firsts[:, None] // 4 + tl.arange(0, BLOCK_COLS // 4)[None, :]
+            first, second, third, fourth = tl.rand4x(seed, counters)
+            # join(join(a, c), join(b, d)) lays the four out as a, b, c, d along each group of four columns
+            quads = tl.join(tl.join(first, third), tl.join(second, fourth))
+            uniforms = tl.reshape(quads, (rows.shape[0], BLOCK_COLS))
+        else:
+            uniforms = _uniforms_at(seed, firsts[:, None] + tl.arange(0, BLOCK_COLS)[None, :])
+        return uniforms >= DROPOUT_P
+
+    @triton.jit
+    def _dropped(values, keep, DROPOUT_P: tl.constexpr):
+        """Dropout of fp32 values: zeros where `keep` is false, the others scaled by 1 / (1 − p)."""
         return tl.where(keep, values * (1.0 / (1.0 - DROPOUT_P)), 0.0)
 
     @triton.jit
@@ -112,7 +137,7 @@ if triton is not None:
     def _residual_layer_norm_forward(
         RESIDUAL, BRANCH, WEIGHT, BIAS, SEED, NEW_RESIDUAL, NORMALIZED, MEAN, RSTD,
         n_rows, n_cols, offset, eps,
-        DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+        DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
     ):  # fmt: skip
         """One tile of rows: new = residual + dropout(branch), rounded to its dtype; then its LayerNorm from
         fp32 statistics of the rounded rows (what the backward kernel reads back), whose mean and 1/σ are
@@ -120,7 +145,8 @@ if triton is not None:
         rows, cols, inside, elements = _tile_offsets(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
         branch = tl.load(BRANCH + elements, mask=inside, other=0.0).to(tl.float32)
         if DROPOUT_P > 0:
-            branch = _dropped(branch, SEED, offset + elements, DROPOUT_P)
+            keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
+            branch = _dropped(branch, keep, DROPOUT_P)
         residual = tl.load(RESIDUAL + elements, mask=inside, other=0.0).to(tl.float32)
         new = (residual + branch).to(NEW_RESIDUAL.dtype.element_ty)
         tl.store(NEW_RESIDUAL + elements, new, mask=inside)
@@ -140,7 +166,7 @@ if triton is not None:
         GRAD_NEW, GRAD_NORMALIZED, NEW_RESIDUAL, WEIGHT, MEAN, RSTD, SEED,
         GRAD_RESIDUAL, GRAD_BRANCH, GRAD_WEIGHT_PARTS, GRAD_BIAS_PARTS,
         n_rows, n_cols, offset,
-        DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+        DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
     ):  # fmt: skip
         """Tiles program, program + programs, …: the gradient of `new` (its own plus LayerNorm's) is the
         residual's, and through the regenerated mask the branch's; the program's sums of the weight's and
@@ -166,7 +192,8 @@ if triton is not None:
             tl.store(GRAD_RESIDUAL + elements, grad_new.to(GRAD_RESIDUAL.dtype.element_ty), mask=inside)
             grad_branch = grad_new
             if DROPOUT_P > 0:
-                grad_branch = _dropped(grad_new, SEED, offset + elements, DROPOUT_P)
+                keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
+                grad_branch = _dropped(grad_new, keep, DROPOUT_P)
             tl.store(GRAD_BRANCH + elements, grad_branch.to(GRAD_BRANCH.dtype.element_ty), mask=inside)
             grad_weight += tl.sum(grad_normalized * normalized, 0)
             grad_bias += tl.sum(grad_normalized, 0)
@@ -213,27 +240,34 @@ if triton is not None:
 
     @triton.jit
     def _mask_kernel(SEED, KEEP, numel, offset, dropout_p, BLOCK: tl.constexpr):
+        """The mask element by element, from `_uniforms_at` alone: what the kernels' tiles must agree with."""
         elements = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        keep = _dropout_keep_at(SEED, offset + elements, dropout_p)
+        keep = _uniforms_at(tl.load(SEED), offset + elements) >= dropout_p
         tl.store(KEEP + elements, keep.to(tl.int8), mask=elements < numel)
+
+
+def _quads(width: int, offset: int) -> bool:
+    """Whether each Philox evaluation can serve four adjacent elements of a row (`_keep_in_tile`)."""
+    return width % 4 == 0 and offset % 4 == 0
 
 
 class _ResidualLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, residual, branch, weight, bias, eps, dropout_p, seed, offset):
+    def forward(ctx, residual, branch, weight, bias, eps, dropout_p, seed, offset, normalized_dtype):
         width = residual.shape[-1]
         residual, branch = residual.contiguous(), branch.contiguous()
         n_rows = residual.numel() // width
         dtype = torch.promote_types(residual.dtype, branch.dtype)  # as residual + branch would give
         new_residual = torch.empty(residual.shape, dtype=dtype, device=residual.device)
-        normalized = torch.empty_like(new_residual)
+        normalized = torch.empty(residual.shape, dtype=normalized_dtype or dtype, device=residual.device)
         mean = torch.empty(n_rows, dtype=torch.float32, device=residual.device)
         rstd = torch.empty_like(mean)
         block_rows, block_cols, num_warps = _tile(width)
         _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
             residual, branch, weight.contiguous(), bias.contiguous(), seed, new_residual, normalized, mean, rstd,
             n_rows, width, offset, eps,
-            DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+            DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
+            num_warps=num_warps,
         )  # fmt: skip
         ctx.save_for_backward(new_residual, weight, mean, rstd, seed)
         ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
@@ -255,11 +289,12 @@ class _ResidualLayerNorm(torch.autograd.Function):
             grad_new.contiguous(), grad_normalized.contiguous(), new_residual, weight.contiguous(), mean, rstd, seed,
             grad_residual, grad_branch, grad_weight_parts, grad_bias_parts,
             n_rows, width, offset,
-            DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=num_warps,
+            DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
+            num_warps=num_warps,
         )  # fmt: skip
         grad_weight = grad_weight_parts.sum(0).to(weight.dtype)
         grad_bias = grad_bias_parts.sum(0).to(bias_dtype)
-        return grad_residual, grad_branch, grad_weight, grad_bias, None, None, None, None
+        return grad_residual, grad_branch, grad_weight, grad_bias, None, None, None, None, None
 
 
 class _BiasGelu(torch.autograd.Function):
@@ -296,10 +331,11 @@ class _BiasGelu(torch.autograd.Function):
         return grad_x, grad_bias_parts.sum(0).to(bias.dtype)
 
 
-def residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training):
+def residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype=None):
     """The plain PyTorch composition `fused_residual_layer_norm` fuses (its fallback)."""
     new_residual = residual + F.dropout(branch, dropout_p, training)
-    return new_residual, F.layer_norm(new_residual, (new_residual.shape[-1],), weight, bias, eps)
+    normalized = F.layer_norm(new_residual, (new_residual.shape[-1],), weight, bias, eps)
+    return new_residual, normalized if normalized_dtype is None else normalized.to(normalized_dtype)
 
 
 def bias_gelu_reference(x, bias):
@@ -308,13 +344,16 @@ def bias_gelu_reference(x, bias):
     return F.gelu(x + bias.to(x.dtype))
 
 
-def fused_residual_layer_norm(residual, branch, weight, bias, eps, dropout_p, training, *, seed=None, offset=0):
+def fused_residual_layer_norm(
+    residual, branch, weight, bias, eps, dropout_p, training, *, seed=None, offset=0, normalized_dtype=None
+):
     """`(new_residual, normalized)`: `new_residual = residual + dropout(branch)` and
     `normalized = layer_norm(new_residual, weight, bias, eps)` over the last dimension, forward and backward
     in one kernel each (see the module docstring).
 
     residual and branch: one shape (..., n_embd), fp32 or bf16 each; both outputs have the dtype of
-    residual + branch. weight and bias: (n_embd,). Dropout (when `training` and dropout_p > 0) keeps element
+    residual + branch, or `normalized` the `normalized_dtype` given (fp32 or bf16: rounded once, as a cast
+    after the LayerNorm rounds it). weight and bias: (n_embd,). Dropout (when `training` and dropout_p > 0) keeps element
     i (in row-major order) where the shared counter-based mask keeps offset + i for the call's `seed` (an
     int64 tensor of one element on the inputs' device; by default each call draws one from torch's
     generator, so torch.manual_seed repeats it); `residual_dropout_keep_mask` gives that mask. Elsewhere (see
@@ -328,13 +367,18 @@ def fused_residual_layer_norm(residual, branch, weight, bias, eps, dropout_p, tr
         and residual.shape == branch.shape
         and weight.shape == bias.shape == (width,)
         and width <= MAX_WIDTH
+        and normalized_dtype in (None, *KERNEL_DTYPES)
     ):
-        return residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training)
+        return residual_layer_norm_reference(
+            residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype
+        )
     if seed is None and dropout_p > 0:
         seed = _draw_seed(residual.device)
     elif seed is None:  # never read: the kernels draw no mask
         seed = torch.zeros(1, dtype=torch.int64, device=residual.device)
-    return _ResidualLayerNorm.apply(residual, branch, weight, bias, float(eps), dropout_p, seed, int(offset))
+    return _ResidualLayerNorm.apply(
+        residual, branch, weight, bias, float(eps), dropout_p, seed, int(offset), normalized_dtype
+    )
 
 
 def fused_bias_gelu(x, bias):

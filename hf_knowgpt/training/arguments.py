@@ -49,8 +49,9 @@ class TrainingArguments:
     # On a CUDA fast path, causal self-attention of a model on "sdpa" runs through the fused Triton kernel
     # (attn_implementation "triton", hf_knowgpt.kernels.fused_attention) for the run, when Triton is installed.
     fused_attention: bool = True
-    # On a CUDA fast path without --torch_compile, each block's dropout + residual + ln2 runs as one fused Triton
-    # kernel (KnowGPTModel.fused_layers, hf_knowgpt.kernels.fused_layers), when Triton is installed.
+    # On the graphed CUDA path, compiled or not, each residual sum with its dropout and the LayerNorm after it runs
+    # as one fused Triton kernel each way (KnowGPTModel.fused_layers, hf_knowgpt.kernels.fused_layers), when Triton
+    # is installed.
     fused_layers: bool = False
     # With several processes, the dtype the processes' gradients are summed in: "fp32", or "bf16", which halves
     # what the all-reduce moves (each gradient rounded to bf16 before the sum). One process sums nothing.

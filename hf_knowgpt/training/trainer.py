@@ -431,10 +431,9 @@ class KnowGPTTrainer:
             pin_triton_ptxas()  # before any kernel is built: inductor would set it later, between builds
             if args.fused_attention and attn_implementation in (None, "sdpa") and fused_attention_available():
                 unwrapped.set_attn_implementation("triton")
-            if args.fused_layers and not args.compile and path == "graphed":
+            if args.fused_layers and path == "graphed":
                 from ..kernels.fused_layers import fused_layers_available
 
-                # compiled steps fuse these operations themselves
                 unwrapped.transformer.fused_layers = fused_layers_available()
             use_training_matmul_settings()
         optimizer = self._make_optimizer(graphed=path == "graphed")
