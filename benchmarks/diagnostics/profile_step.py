@@ -13,10 +13,13 @@ first process prints the tables (its all-reduce waits for the others: outside th
 launch in step). After the tables, the slowest inductor kernels are described from the code inductor
 generated: what they fuse, their size hints, and the sizes they are launched with; run with
 TORCHINDUCTOR_BENCHMARK_KERNEL=1, also the bytes inductor estimates each moves and the bandwidth that makes.
+`--generated_code DIR` (taken out before the rest goes to train.py) also copies every module inductor generated
+that defines one of the profiled kernels into DIR, whole, to be read on another machine.
 """
 
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -103,7 +106,15 @@ def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     print("\nthe slowest inductor kernels, as generated:")
-    modules = [path.read_text(errors="ignore") for path in Path(cache_dir()).rglob("*.py")]
+    paths = list(Path(cache_dir()).rglob("*.py"))
+    modules = [path.read_text(errors="ignore") for path in paths]
+    if state.get("generated_code"):
+        folder = Path(state["generated_code"])
+        folder.mkdir(parents=True, exist_ok=True)
+        for path, module in zip(paths, modules):
+            if any(f"{name} = async_compile.triton('{name}'" in module for name in kernels):
+                shutil.copy(path, folder / path.name)
+        print(f"(the modules that define them copied to {folder})")
     for name, (per_step, milliseconds) in kernels.items():
         print(f"{name}: {per_step:.1f} per step, {1000 * milliseconds:.1f} µs each")
         for module in modules:
@@ -179,7 +190,12 @@ def profiled_graphed_run(self, first_step, count, should_stop):
 
 
 if __name__ == "__main__":
+    arguments = sys.argv[1:]
+    if "--generated_code" in arguments:
+        at = arguments.index("--generated_code")
+        state["generated_code"] = arguments[at + 1]
+        del arguments[at : at + 2]
     trainer.KnowGPTTrainer.optimizer_step = profiled_step
     fast_path.GraphedStepper.run = profiled_graphed_run
-    sys.argv = ["train.py", *sys.argv[1:]]
+    sys.argv = ["train.py", *arguments]
     cli.main_guard(train.main)
