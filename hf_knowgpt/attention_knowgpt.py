@@ -346,10 +346,12 @@ def reads_packed_tokens(grid: "TokenGrid", context: "AttentionContext", cache, b
 
 
 def branch_output(layer: nn.Module, attended: torch.Tensor, context: AttentionContext) -> torch.Tensor:
-    """An attention layer's heads projected back to the residual stream (`layer.proj`), dropped out
-    (`layer.resid_dropout`) unless the block's fused residual kernel drops the branch out itself."""
-    projected = linear(layer.proj, attended, bias_by_kernel=False)
-    return projected if context.fused_layers else layer.resid_dropout(projected)
+    """An attention layer's heads projected back to the residual stream (`layer.proj`) and dropped out
+    (`layer.resid_dropout`); where the block's fused residual kernel runs (`context.fused_layers`), neither
+    dropped out nor, for a plain projection, given its bias (`branch_bias`): the kernel does both."""
+    if context.fused_layers:
+        return linear(layer.proj, attended, bias_by_kernel=False, leave_bias_out=True)
+    return layer.resid_dropout(linear(layer.proj, attended, bias_by_kernel=False))
 
 
 class KnowGPTSelfAttention(nn.Module):

@@ -1,6 +1,7 @@
 """Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
 linear layers (`linear`), those of one input run as one matrix product (`project`), the MLP's two layers and
-activation (`mlp`), and the causal-LM loss (`causal_lm_loss`)."""
+activation (`mlp`), a residual sum with the LayerNorm after it in one fused kernel (`residual_layer_norm`), and
+the causal-LM loss (`causal_lm_loss`)."""
 
 import torch
 from torch import nn
@@ -64,10 +65,11 @@ def _low_precision_autocast(states: torch.Tensor) -> bool:
     )
 
 
-def _linear_function(states: torch.Tensor, bias: torch.Tensor):
+def _linear_function(states: torch.Tensor, trained: torch.Tensor):
     """The kernel module's `linear_with_summed_bias_gradient` where it applies (training on a device of
-    BIAS_GRADIENT_KERNEL_DEVICES with Triton), else None."""
-    if not (states.device.type in BIAS_GRADIENT_KERNEL_DEVICES and bias.requires_grad and torch.is_grad_enabled()):
+    BIAS_GRADIENT_KERNEL_DEVICES with Triton: `trained`, the bias or, for a product without one, the weight, takes
+    gradients), else None."""
+    if not (states.device.type in BIAS_GRADIENT_KERNEL_DEVICES and trained.requires_grad and torch.is_grad_enabled()):
         return None
     try:  # the package's kernel: a checkpoint's own copy of this code runs without it
         from hf_knowgpt.kernels.column_sums import column_sums_available, linear_with_summed_bias_gradient
@@ -76,20 +78,31 @@ def _linear_function(states: torch.Tensor, bias: torch.Tensor):
     return linear_with_summed_bias_gradient if column_sums_available() else None
 
 
-def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, bias_by_kernel: bool = True):
-    bias_by_kernel = bias_by_kernel and BIAS_GRADIENT_KERNEL
+def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bias_by_kernel: bool = True):
+    bias_by_kernel = bias_by_kernel and BIAS_GRADIENT_KERNEL and bias is not None
     in_fp32 = WEIGHT_GRADIENT_IN_FP32 and _low_precision_autocast(states)
-    function = _linear_function(states, bias) if bias_by_kernel or in_fp32 else None
+    function = _linear_function(states, weight if bias is None else bias) if bias_by_kernel or in_fp32 else None
     if function is None:
         return F.linear(states, weight, bias)
     return function(states, weight, bias, bias_by_kernel, in_fp32)
 
 
-def linear(layer: nn.Linear, states: torch.Tensor, bias_by_kernel: bool = True) -> torch.Tensor:
+def linear(
+    layer: nn.Linear, states: torch.Tensor, bias_by_kernel: bool = True, leave_bias_out: bool = False
+) -> torch.Tensor:
     """layer(states); a plain layer (`_plain`) takes its bias gradient by the column-sum kernel where
     BIAS_GRADIENT_KERNEL and `bias_by_kernel` say so (False: a layer too narrow for the kernel to pay), and its
-    weight gradient in fp32 where WEIGHT_GRADIENT_IN_FP32 says so."""
-    return _linear(states, layer.weight, layer.bias, bias_by_kernel) if _plain(layer) else layer(states)
+    weight gradient in fp32 where WEIGHT_GRADIENT_IN_FP32 says so. `leave_bias_out`: a plain layer's product
+    comes without its bias, which `branch_bias` gives the caller to add (another layer runs whole)."""
+    if not _plain(layer):
+        return layer(states)
+    return _linear(states, layer.weight, None if leave_bias_out else layer.bias, bias_by_kernel)
+
+
+def branch_bias(layer: nn.Module) -> torch.Tensor | None:
+    """The bias that `linear(layer, ..., leave_bias_out=True)` and `mlp(..., leave_proj_bias_out=True)` leave out
+    of the layer's product, for the caller to add: a plain layer's; None where the layer ran whole."""
+    return layer.bias if _plain(layer) else None
 
 
 # The MLP's GELU inside its matrix products (hf_knowgpt.kernels.gelu_products) while training under bf16 or fp16
@@ -118,14 +131,17 @@ def _mlp_function(states: torch.Tensor, fc: nn.Linear, activation: nn.Module, pr
     return mlp_with_gelu_in_products if gelu_products_apply(states, fc.weight, proj.weight) else None
 
 
-def mlp(states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear) -> torch.Tensor:
+def mlp(
+    states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear, leave_proj_bias_out: bool = False
+) -> torch.Tensor:
     """proj(activation(fc(states))), by `linear` for each layer, or with GELU inside the products where
-    GELU_IN_PRODUCTS says so and the kernels apply."""
+    GELU_IN_PRODUCTS says so and the kernels apply; `leave_proj_bias_out` as `linear`'s `leave_bias_out`."""
     function = _mlp_function(states, fc, activation, proj)
     if function is not None:
-        return function(states, fc.weight, fc.bias, proj.weight, proj.bias)
+        proj_bias = None if leave_proj_bias_out else proj.bias
+        return function(states, fc.weight, fc.bias, proj.weight, proj_bias)
     # proj's bias gradient stays autograd's: the column-sum kernel did not pay at its width (n_embd).
-    return linear(proj, activation(linear(fc, states)), bias_by_kernel=False)
+    return linear(proj, activation(linear(fc, states)), bias_by_kernel=False, leave_bias_out=leave_proj_bias_out)
 
 
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
@@ -140,6 +156,29 @@ def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tenso
     bias = torch.cat([layer.bias for layer in layers])
     projected = place(_linear(hidden_states, weight, bias))
     return list(projected.split([layer.out_features for layer in layers], dim=-1))
+
+
+def _fused_layers():
+    """`hf_knowgpt.kernels.fused_layers`, imported when a model first runs it (only training on a GPU with
+    Triton does: `KnowGPTModel.fused_layers`). Inside try, so that a checkpoint's copy of this file loaded with
+    `trust_remote_code` does not require the package."""
+    try:
+        from hf_knowgpt.kernels import fused_layers
+    except ModuleNotFoundError as missing:
+        raise ModuleNotFoundError("KnowGPTModel.fused_layers needs the hf_knowgpt package installed") from missing
+    return fused_layers
+
+
+def residual_layer_norm(states, branch, branch_layer: nn.Module, norm: nn.LayerNorm, dropout_p: float):
+    """(states + dropout(branch), norm of that sum) by the fused kernel (`KnowGPTModel.fused_layers`, training
+    only), the bias of the branch's last layer added there where its product left it out (`branch_bias`); the
+    normalized states in autocast's dtype where it is on (what the next layer's product takes), else the sum's."""
+    device_type = states.device.type
+    low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return _fused_layers().fused_residual_layer_norm(
+        states, branch, norm.weight, norm.bias, norm.eps, dropout_p, True, normalized_dtype=low,
+        branch_bias=branch_bias(branch_layer),
+    )  # fmt: skip
 
 
 # Tokens per partial sum of the loss; 0 sums them all at once.
@@ -164,4 +203,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = ["KnowGPTDropout", "causal_lm_loss", "linear", "mlp", "project"]
+__all__ = ["KnowGPTDropout", "branch_bias", "causal_lm_loss", "linear", "mlp", "project", "residual_layer_norm"]

@@ -38,7 +38,7 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, mlp
+from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, mlp, residual_layer_norm
 
 logger = logging.get_logger(__name__)
 
@@ -61,27 +61,6 @@ def _deprecated_cache_keyword(forward):
     return deprecate_kwarg("past_key_values", version="5.40.0", new_name="cache")(forward)
 
 
-def _fused_layers():
-    """`hf_knowgpt.kernels.fused_layers`, imported when a model first runs it (only training on a GPU with
-    Triton does: `KnowGPTModel.fused_layers`). Inside try, so that a checkpoint's copy of this file loaded with
-    `trust_remote_code` does not require the package."""
-    try:
-        from hf_knowgpt.kernels import fused_layers
-    except ModuleNotFoundError as missing:
-        raise ModuleNotFoundError("KnowGPTModel.fused_layers needs the hf_knowgpt package installed") from missing
-    return fused_layers
-
-
-def _residual_layer_norm(hidden_states, branch, norm: nn.LayerNorm, dropout_p: float):
-    """(hidden_states + dropout(branch), norm of that sum) by the fused kernel, in training; the normalized
-    states in autocast's dtype where it is on (what the next layer's product takes), else the sum's."""
-    device_type = hidden_states.device.type
-    low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    return _fused_layers().fused_residual_layer_norm(
-        hidden_states, branch, norm.weight, norm.bias, norm.eps, dropout_p, True, normalized_dtype=low
-    )
-
-
 class KnowGPTMLP(nn.Module):
     def __init__(self, config: KnowGPTConfig):
         super().__init__()
@@ -93,10 +72,10 @@ class KnowGPTMLP(nn.Module):
     def forward(self, hidden_states):
         return self.dropout(self.branch(hidden_states))
 
-    def branch(self, hidden_states):
-        """The MLP before its dropout. The bias rides in the matrix product's epilogue; a fused bias + GELU
-        kernel after a bias-free product was slower than this GELU alone (benchmarks/bench_fused_layers.py)."""
-        return mlp(hidden_states, self.fc, self.act, self.proj)
+    def branch(self, hidden_states, leave_proj_bias_out: bool = False):
+        """The MLP before its dropout; `leave_proj_bias_out`: see `layers_knowgpt.branch_bias`. (A fused bias + GELU
+        kernel after a bias-free fc was slower than GELU alone: benchmarks/bench_fused_layers.py.)"""
+        return mlp(hidden_states, self.fc, self.act, self.proj, leave_proj_bias_out)
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
@@ -122,11 +101,13 @@ class KnowGPTBlock(GradientCheckpointingLayer):
         """forward() in training with the fused kernels (`KnowGPTModel.fused_layers`), given ln1(hidden_states)
         as `normalized`: each residual sum runs with its branch's dropout and the LayerNorm after it (ln2, then
         `norm_after`: the next block's ln1 or the final LayerNorm) in one kernel. Returns (the block's output,
-        norm_after of it, attention weights or None)."""
-        attended, weights = self.attn(normalized, grid, context, cache)  # undropped: context.fused_layers
-        hidden_states, normalized = _residual_layer_norm(hidden_states, attended, self.ln2, self.attn.resid_dropout.p)
-        branch = self.mlp.branch(normalized)
-        hidden_states, normalized = _residual_layer_norm(hidden_states, branch, norm_after, self.mlp.dropout.p)
+        norm_after of it, attention weights or None). The kernel also adds the branches' last biases."""
+        attended, weights = self.attn(normalized, grid, context, cache)
+        dropout_p = self.attn.resid_dropout.p
+        hidden_states, normalized = residual_layer_norm(hidden_states, attended, self.attn.proj, self.ln2, dropout_p)
+        branch = self.mlp.branch(normalized, leave_proj_bias_out=True)
+        dropout_p = self.mlp.dropout.p
+        hidden_states, normalized = residual_layer_norm(hidden_states, branch, self.mlp.proj, norm_after, dropout_p)
         return hidden_states, normalized, weights
 
 
@@ -280,9 +261,10 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
 
     `fused_layers` (off unless set; the trainer sets it under `--fused_layers` on a GPU with Triton): in
     training without gradient checkpointing, every residual sum (the attention's and the MLP's of each block)
-    runs with its branch's dropout and the LayerNorm that follows it (ln2, the next block's ln1, ln_f) as one
-    Triton kernel each way (`hf_knowgpt.kernels.fused_layers`, `KnowGPTBlock.forward_fused`); under autocast
-    the LayerNorms' outputs, the last hidden state included, come in autocast's dtype.
+    runs with its branch's dropout, the bias of the branch's last layer and the LayerNorm that follows it (ln2,
+    the next block's ln1, ln_f) as one Triton kernel each way (`hf_knowgpt.kernels.fused_layers`,
+    `KnowGPTBlock.forward_fused`); under autocast the LayerNorms' outputs, the last hidden state included, come
+    in autocast's dtype.
 
     `attention_by_length` (off unless set; the trainer sets it for training on a CPU, whose packed batches it
     orders longest first): packed causal self-attention runs group by group of rows, each group only as
@@ -403,20 +385,16 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
 
         if config.attention_type == "perceiver":
             hidden_states, states, attentions = self._perceiver_forward(hidden_states, grid, context, cache)
-        elif context.fused_layers:
-            states, attentions = [], []
-            normalized = self.blocks[0].ln1(hidden_states)
-            norms_after = [*(block.ln1 for block in self.blocks[1:]), self.ln_f]
-            for block, norm_after in zip(self.blocks, norms_after):
-                hidden_states, normalized, weights = block.forward_fused(
-                    hidden_states, normalized, norm_after, grid, context, cache=cache
-                )
-                states.append(hidden_states)
-                attentions.append(weights)
         else:
             states, attentions = [], []
-            for block in self.blocks:
-                hidden_states, weights = block(hidden_states, grid, context, cache=cache)
+            normalized = self.blocks[0].ln1(hidden_states) if context.fused_layers else None
+            for block, norm_after in zip(self.blocks, [*(block.ln1 for block in self.blocks[1:]), self.ln_f]):
+                if context.fused_layers:  # the next LayerNorm comes with the residual sum: forward_fused
+                    hidden_states, normalized, weights = block.forward_fused(
+                        hidden_states, normalized, norm_after, grid, context, cache=cache
+                    )
+                else:
+                    hidden_states, weights = block(hidden_states, grid, context, cache=cache)
                 states.append(hidden_states)
                 attentions.append(weights)
         hidden_states = normalized if context.fused_layers else self.ln_f(hidden_states)

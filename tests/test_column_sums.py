@@ -8,6 +8,7 @@ The kernel tests need Triton and either a CUDA device or Triton's interpreter on
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import KERNEL_DEVICE as DEVICE
 from conftest import TRITON_INTERPRETED, needs_kernel, tiny_config
 
@@ -65,6 +66,31 @@ def test_linear_with_summed_bias_gradient_is_autograds_linear(autocast):
     # sums are fp32's, of 150 terms in another order: a few units of their partial sums apart
     unit = 2**-8 if autocast else 2**-16
     torch.testing.assert_close(grad_bias, grad_bias2, rtol=unit, atol=unit * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16-autocast", "fp32"])
+def test_linear_without_a_bias_is_autograds_linear(autocast):
+    """With no bias (a branch whose bias a fused kernel adds) the function is F.linear without one, output and
+    gradients bit for bit; and `layers_knowgpt.linear(..., leave_bias_out=True)` leaves a plain layer's bias out
+    (`branch_bias` hands it over) and runs another layer whole."""
+    torch.manual_seed(0)
+    states = torch.randn(3, 50, 32, device=DEVICE, requires_grad=True)
+    layer = torch.nn.Linear(32, 96).to(DEVICE)
+    grad = torch.randn(3, 50, 96, device=DEVICE)
+    results = []
+    for function in (linear_with_summed_bias_gradient, lambda states, weight, bias: F.linear(states, weight)):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            out = function(states, layer.weight, None)
+        results.append((out, *torch.autograd.grad(out, (states, layer.weight), grad.to(out.dtype))))
+    for got, want in zip(*results):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        unbiased = layers_knowgpt.linear(layer, states, leave_bias_out=True)
+        assert layers_knowgpt.branch_bias(layer) is layer.bias
+        torch.testing.assert_close(unbiased, results[1][0], rtol=0, atol=0)
+        layer.register_forward_hook(lambda module, inputs, output: None)
+        assert layers_knowgpt.branch_bias(layer) is None
+        torch.testing.assert_close(layers_knowgpt.linear(layer, states, leave_bias_out=True), layer(states))
 
 
 def tiny_model_both_ways(flag: str, compiled: bool, monkeypatch):

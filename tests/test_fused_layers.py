@@ -112,6 +112,37 @@ def test_residual_layer_norm_mixed_dtypes_as_under_autocast():
 
 
 @needs_kernel
+@pytest.mark.parametrize("branch_dtype", [torch.float32, pytest.param(torch.bfloat16, id="bfloat16")])
+@pytest.mark.parametrize("shape", [(37, 96), (150, 256)], ids=str)
+def test_branch_bias_added_and_its_gradient_summed(shape, branch_dtype):
+    """`branch_bias`: the branch is branch + bias (added in fp32 to the branch as it is) before dropout, and the
+    bias's gradient, the column sums of the branch's, comes from the backward kernel; the other gradients are
+    those of the sum. Residual fp32 (as under autocast); 150 × 256 makes the backward programs loop."""
+    torch.manual_seed(0)
+    dropout_p, width = 0.1, shape[-1]
+    residual, branch, weight, bias = layer_inputs(shape, branch_dtype, residual_dtype=torch.float32)
+    branch_bias = (0.5 * torch.randn(width, device=DEVICE)).requires_grad_()
+    inputs = (residual, branch, branch_bias, weight, bias)
+    seed = torch.tensor([21], dtype=torch.int64, device=DEVICE)
+    new, normalized = fused_residual_layer_norm(
+        residual, branch, weight, bias, EPS, dropout_p, True, seed=seed, branch_bias=branch_bias
+    )
+    keep = residual_dropout_keep_mask(seed, shape, dropout_p)
+    biased = branch.double() + branch_bias.double()
+    expected_new, expected_normalized = reference_residual_layer_norm(residual, biased, weight, bias, keep, dropout_p)
+    assert_close_to(new, expected_new, torch.float32, "new residual")
+    assert_close_to(normalized, expected_normalized, torch.float32, "normalized")
+    grad_new, grad_normalized = torch.randn_like(new), torch.randn_like(normalized)
+    grads = torch.autograd.grad((new, normalized), inputs, (grad_new, grad_normalized))
+    expected_grads = torch.autograd.grad(
+        (expected_new, expected_normalized), inputs, (grad_new.double(), grad_normalized.double())
+    )
+    names = ("residual", "branch", "branch's bias", "weight", "bias")
+    for name, got, want, tensor in zip(names, grads, expected_grads, inputs):
+        assert_close_to(got, want, tensor.dtype, f"gradient of {name}")
+
+
+@needs_kernel
 def test_normalized_written_in_the_next_layers_dtype():
     """`normalized_dtype=torch.bfloat16` (what the model asks under bf16 autocast): the LayerNorm's output is
     the fp32 one rounded to bf16, and every gradient is the one the fp32 output gets from that bf16 gradient

@@ -94,6 +94,29 @@ def test_products_compute_the_rounded_composition(shape, width, hidden):
 
 
 @needs_kernel
+def test_products_without_proj_bias():
+    """proj_bias None (a fused residual kernel adds it): proj's product alone, so adding the bias gives the
+    output with it, to within a rounding of bf16; every other gradient is the same, bit for bit."""
+    states, fc_weight, fc_bias, proj_weight, proj_bias = mlp_inputs((2, 35), 32, 128)
+    weights = (states, fc_weight, fc_bias, proj_weight)
+    grad = torch.randn(2, 35, 32, device=DEVICE).bfloat16()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        with_bias = mlp_with_gelu_in_products(*weights, proj_bias)
+        without_bias = mlp_with_gelu_in_products(*weights, None)
+    unit = 2**-7
+    torch.testing.assert_close(
+        without_bias.float() + proj_bias.bfloat16().float(),
+        with_bias.float(),
+        rtol=unit,
+        atol=unit * with_bias.abs().max().item(),
+    )
+    for got, want in zip(
+        torch.autograd.grad(without_bias, weights, grad), torch.autograd.grad(with_bias, weights, grad)
+    ):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
 def test_mlp_takes_the_products_only_where_asked(monkeypatch):
     """`layers_knowgpt.mlp` runs the kernels' function while training under bf16 autocast with
     GELU_IN_PRODUCTS on, around the exact GELU; otherwise (the flag off, no gradients, fp32, GELU's tanh

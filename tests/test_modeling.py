@@ -348,8 +348,9 @@ def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four()
 def test_fused_layers_train_as_the_plain_blocks(attention_type, packed, monkeypatch):
     """Without dropout, a training step through the fused residual + LayerNorm (the kernel under
     TRITON_INTERPRET=1 or on a GPU, its plain fallback elsewhere) gives the plain blocks' loss, gradients and
-    hidden states: every residual sum goes through it, two per block, the last with ln_f. In evaluation, or
-    with gradient checkpointing, the flag changes nothing."""
+    hidden states: every residual sum goes through it, two per block, the last with ln_f, and adds the bias of
+    each branch's last layer that is plain (a hooked layer runs whole, bias included). In evaluation, or with
+    gradient checkpointing, the flag changes nothing."""
     from hf_knowgpt.kernels import fused_layers
 
     calls = []
@@ -364,6 +365,7 @@ def test_fused_layers_train_as_the_plain_blocks(attention_type, packed, monkeypa
     results = []
     for fused in (False, True):
         model = make_model(attention_type, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
+        model.transformer.blocks[0].mlp.proj.register_forward_hook(lambda module, inputs, output: None)
         model.transformer.fused_layers = fused
         out = model(ids, labels=ids, token_index=token_index, use_cache=False, output_hidden_states=True)
         out.loss.backward()

@@ -107,18 +107,21 @@ def gelu_product_builds(arch):
 
 def residual_layer_norm_builds(arch):
     """(name, compiled) of the residual + dropout + LayerNorm kernels forward and backward at 256 wide, as the model
-    launches them under bf16 autocast (`fused_layers._tile`), with and without four elements per Philox evaluation."""
+    launches them under bf16 autocast (`fused_layers._tile`, the branch's bias added), with and without four
+    elements per Philox evaluation."""
     block_rows, block_cols, num_warps = fused_layers._tile(256)
     pointers = {
-        "RESIDUAL": "*fp32", "BRANCH": "*bf16", "WEIGHT": "*fp32", "BIAS": "*fp32", "SEED": "*i64",
-        "NEW_RESIDUAL": "*fp32", "NORMALIZED": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32", "GRAD_NEW": "*fp32",
-        "GRAD_NORMALIZED": "*bf16", "GRAD_RESIDUAL": "*fp32", "GRAD_BRANCH": "*bf16", "GRAD_WEIGHT_PARTS": "*fp32",
-        "GRAD_BIAS_PARTS": "*fp32",
+        "RESIDUAL": "*fp32", "BRANCH": "*bf16", "BRANCH_BIAS": "*fp32", "WEIGHT": "*fp32", "BIAS": "*fp32",
+        "SEED": "*i64", "NEW_RESIDUAL": "*fp32", "NORMALIZED": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
+        "GRAD_NEW": "*fp32", "GRAD_NORMALIZED": "*bf16", "GRAD_RESIDUAL": "*fp32", "GRAD_BRANCH": "*bf16",
+        "GRAD_PARTS": "*fp32",
     }  # fmt: skip
     for quads in (True, False):
         way = "4 per Philox" if quads else "1 per Philox"
         for kernel in (fused_layers._residual_layer_norm_forward, fused_layers._residual_layer_norm_backward):
-            constants = dict(DROPOUT_P=0.1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=quads)
+            constants = dict(
+                DROPOUT_P=0.1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=quads, HAS_BRANCH_BIAS=True
+            )
             types = {name: kind for name, kind in pointers.items() if name in kernel.arg_names} | {"eps": "fp32"}
             multiples = [*(name for name in types if name.isupper()), "n_rows", "n_cols", "offset"]  # 7680, 256, 0
             compiled = build(kernel, constants, types, multiples, num_warps, 3, arch)

@@ -104,12 +104,12 @@ class _LinearWithFp32ParameterGradients(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32):
-        ctx.dtypes = states.dtype, weight.dtype, bias.dtype
+        ctx.dtypes = states.dtype, weight.dtype, bias.dtype if bias is not None else None
         ctx.bias_by_kernel = bias_by_kernel
         low_states, low_weight = states.to(dtype), weight.to(dtype)
         ctx.fp32_weight_gradient = weight_gradient_in_fp32 and _fp32_weight_gradient(low_states, weight)
         ctx.save_for_backward(low_states, low_weight)
-        return F.linear(low_states, low_weight, bias.to(dtype))
+        return F.linear(low_states, low_weight, bias.to(dtype) if bias is not None else None)
 
     @staticmethod
     def backward(ctx, grad):
@@ -122,14 +122,17 @@ class _LinearWithFp32ParameterGradients(torch.autograd.Function):
         if needs_weight:
             state_rows = states.reshape(-1, states.shape[-1])
             grad_weight = weight_gradient(grad_rows, state_rows, ctx.fp32_weight_gradient).to(weight_dtype)
-        grad_bias = column_sums(grad_rows) if ctx.bias_by_kernel else grad_rows.sum(0, dtype=torch.float32)
-        return grad_states, grad_weight, grad_bias.to(bias_dtype), None, None, None
+        grad_bias = None
+        if bias_dtype is not None:
+            grad_bias = column_sums(grad_rows) if ctx.bias_by_kernel else grad_rows.sum(0, dtype=torch.float32)
+            grad_bias = grad_bias.to(bias_dtype)
+        return grad_states, grad_weight, grad_bias, None, None, None
 
 
 def linear_with_summed_bias_gradient(
     states: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     bias_by_kernel: bool = True,
     weight_gradient_in_fp32: bool = False,
 ) -> torch.Tensor:

@@ -135,15 +135,18 @@ if triton is not None:
 
     @triton.jit
     def _residual_layer_norm_forward(
-        RESIDUAL, BRANCH, WEIGHT, BIAS, SEED, NEW_RESIDUAL, NORMALIZED, MEAN, RSTD,
+        RESIDUAL, BRANCH, BRANCH_BIAS, WEIGHT, BIAS, SEED, NEW_RESIDUAL, NORMALIZED, MEAN, RSTD,
         n_rows, n_cols, offset, eps,
         DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
+        HAS_BRANCH_BIAS: tl.constexpr,
     ):  # fmt: skip
-        """One tile of rows: new = residual + dropout(branch), rounded to its dtype; then its LayerNorm from
-        fp32 statistics of the rounded rows (what the backward kernel reads back), whose mean and 1/σ are
-        kept for the backward pass."""
+        """One tile of rows: new = residual + dropout(branch + branch's bias), rounded to its dtype; then its
+        LayerNorm from fp32 statistics of the rounded rows (what the backward kernel reads back), whose mean and
+        1/σ are kept for the backward pass."""
         rows, cols, inside, elements = _tile_offsets(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
         branch = tl.load(BRANCH + elements, mask=inside, other=0.0).to(tl.float32)
+        if HAS_BRANCH_BIAS:
+            branch += tl.load(BRANCH_BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
         if DROPOUT_P > 0:
             keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
             branch = _dropped(branch, keep, DROPOUT_P)
@@ -164,18 +167,21 @@ if triton is not None:
     @triton.jit
     def _residual_layer_norm_backward(
         GRAD_NEW, GRAD_NORMALIZED, NEW_RESIDUAL, WEIGHT, MEAN, RSTD, SEED,
-        GRAD_RESIDUAL, GRAD_BRANCH, GRAD_WEIGHT_PARTS, GRAD_BIAS_PARTS,
+        GRAD_RESIDUAL, GRAD_BRANCH, GRAD_PARTS,
         n_rows, n_cols, offset,
         DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
+        HAS_BRANCH_BIAS: tl.constexpr,
     ):  # fmt: skip
         """Tiles program, program + programs, …: the gradient of `new` (its own plus LayerNorm's) is the
-        residual's, and through the regenerated mask the branch's; the program's sums of the weight's and
-        bias's gradients over its rows go to row `program` of the partial sums."""
+        residual's, and through the regenerated mask the branch's; the program's sums over its rows of the
+        weight's, the bias's and (HAS_BRANCH_BIAS) the branch's bias's gradients go to row `program` of the
+        partial sums GRAD_PARTS[0], [1] and [2]."""
         program, programs = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_COLS)
         weight = tl.load(WEIGHT + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         grad_weight = tl.zeros((BLOCK_COLS,), tl.float32)
         grad_bias = tl.zeros((BLOCK_COLS,), tl.float32)
+        grad_branch_bias = tl.zeros((BLOCK_COLS,), tl.float32)
         for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
             rows, cols, inside, elements = _tile_offsets(tile, n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
             new = tl.load(NEW_RESIDUAL + elements, mask=inside, other=0.0).to(tl.float32)
@@ -197,8 +203,13 @@ if triton is not None:
             tl.store(GRAD_BRANCH + elements, grad_branch.to(GRAD_BRANCH.dtype.element_ty), mask=inside)
             grad_weight += tl.sum(grad_normalized * normalized, 0)
             grad_bias += tl.sum(grad_normalized, 0)
-        tl.store(GRAD_WEIGHT_PARTS + program * n_cols + cols, grad_weight, mask=cols < n_cols)
-        tl.store(GRAD_BIAS_PARTS + program * n_cols + cols, grad_bias, mask=cols < n_cols)
+            if HAS_BRANCH_BIAS:
+                grad_branch_bias += tl.sum(tl.where(inside, grad_branch, 0.0), 0)
+        row = program * n_cols + cols
+        tl.store(GRAD_PARTS + row, grad_weight, mask=cols < n_cols)
+        tl.store(GRAD_PARTS + programs * n_cols + row, grad_bias, mask=cols < n_cols)
+        if HAS_BRANCH_BIAS:
+            tl.store(GRAD_PARTS + 2 * programs * n_cols + row, grad_branch_bias, mask=cols < n_cols)
 
     @triton.jit
     def _bias_gelu_forward(
@@ -253,7 +264,7 @@ def _quads(width: int, offset: int) -> bool:
 
 class _ResidualLayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, residual, branch, weight, bias, eps, dropout_p, seed, offset, normalized_dtype):
+    def forward(ctx, residual, branch, branch_bias, weight, bias, eps, dropout_p, seed, offset, normalized_dtype):
         width = residual.shape[-1]
         residual, branch = residual.contiguous(), branch.contiguous()
         n_rows = residual.numel() // width
@@ -263,14 +274,17 @@ class _ResidualLayerNorm(torch.autograd.Function):
         mean = torch.empty(n_rows, dtype=torch.float32, device=residual.device)
         rstd = torch.empty_like(mean)
         block_rows, block_cols, num_warps = _tile(width)
+        has_branch_bias = branch_bias is not None
         _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
-            residual, branch, weight.contiguous(), bias.contiguous(), seed, new_residual, normalized, mean, rstd,
+            residual, branch, branch_bias.contiguous() if has_branch_bias else bias, weight.contiguous(),
+            bias.contiguous(), seed, new_residual, normalized, mean, rstd,
             n_rows, width, offset, eps,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            num_warps=num_warps,
+            HAS_BRANCH_BIAS=has_branch_bias, num_warps=num_warps,
         )  # fmt: skip
         ctx.save_for_backward(new_residual, weight, mean, rstd, seed)
         ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
+        ctx.branch_bias_dtype = branch_bias.dtype if has_branch_bias else None
         return new_residual, normalized
 
     @staticmethod
@@ -283,18 +297,20 @@ class _ResidualLayerNorm(torch.autograd.Function):
         grad_branch = torch.empty(new_residual.shape, dtype=branch_dtype, device=new_residual.device)
         block_rows, block_cols, num_warps = _tile(width)
         programs = _reducing_programs(new_residual.device, triton.cdiv(n_rows, block_rows))
-        grad_weight_parts = torch.empty(programs, width, dtype=torch.float32, device=new_residual.device)
-        grad_bias_parts = torch.empty_like(grad_weight_parts)
+        branch_bias_dtype = ctx.branch_bias_dtype
+        sums = 2 if branch_bias_dtype is None else 3  # the weight's, the bias's, the branch's bias's
+        parts = torch.empty(sums, programs, width, dtype=torch.float32, device=new_residual.device)
         _residual_layer_norm_backward[(programs,)](
             grad_new.contiguous(), grad_normalized.contiguous(), new_residual, weight.contiguous(), mean, rstd, seed,
-            grad_residual, grad_branch, grad_weight_parts, grad_bias_parts,
+            grad_residual, grad_branch, parts,
             n_rows, width, offset,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            num_warps=num_warps,
+            HAS_BRANCH_BIAS=branch_bias_dtype is not None, num_warps=num_warps,
         )  # fmt: skip
-        grad_weight = grad_weight_parts.sum(0).to(weight.dtype)
-        grad_bias = grad_bias_parts.sum(0).to(bias_dtype)
-        return grad_residual, grad_branch, grad_weight, grad_bias, None, None, None, None, None
+        summed = parts.sum(1)  # one reduction for all of them
+        grad_weight, grad_bias = summed[0].to(weight.dtype), summed[1].to(bias_dtype)
+        grad_branch_bias = summed[2].to(branch_bias_dtype) if branch_bias_dtype is not None else None
+        return grad_residual, grad_branch, grad_branch_bias, grad_weight, grad_bias, None, None, None, None, None
 
 
 class _BiasGelu(torch.autograd.Function):
@@ -331,8 +347,12 @@ class _BiasGelu(torch.autograd.Function):
         return grad_x, grad_bias_parts.sum(0).to(bias.dtype)
 
 
-def residual_layer_norm_reference(residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype=None):
+def residual_layer_norm_reference(
+    residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype=None, branch_bias=None
+):
     """The plain PyTorch composition `fused_residual_layer_norm` fuses (its fallback)."""
+    if branch_bias is not None:
+        branch = branch + branch_bias.to(branch.dtype)  # as a Linear layer adds its bias under autocast
     new_residual = residual + F.dropout(branch, dropout_p, training)
     normalized = F.layer_norm(new_residual, (new_residual.shape[-1],), weight, bias, eps)
     return new_residual, normalized if normalized_dtype is None else normalized.to(normalized_dtype)
@@ -345,11 +365,14 @@ def bias_gelu_reference(x, bias):
 
 
 def fused_residual_layer_norm(
-    residual, branch, weight, bias, eps, dropout_p, training, *, seed=None, offset=0, normalized_dtype=None
-):
+    residual, branch, weight, bias, eps, dropout_p, training, *, seed=None, offset=0, normalized_dtype=None,
+    branch_bias=None,
+):  # fmt: skip
     """`(new_residual, normalized)`: `new_residual = residual + dropout(branch)` and
     `normalized = layer_norm(new_residual, weight, bias, eps)` over the last dimension, forward and backward
-    in one kernel each (see the module docstring).
+    in one kernel each (see the module docstring). With `branch_bias` ((n_embd,), the branch's last layer's
+    bias, left out of its product) the branch is branch + branch_bias, added in fp32, and the bias's gradient
+    is summed in the backward kernel.
 
     residual and branch: one shape (..., n_embd), fp32 or bf16 each; both outputs have the dtype of
     residual + branch, or `normalized` the `normalized_dtype` given (fp32 or bf16: rounded once, as a cast
@@ -368,16 +391,17 @@ def fused_residual_layer_norm(
         and weight.shape == bias.shape == (width,)
         and width <= MAX_WIDTH
         and normalized_dtype in (None, *KERNEL_DTYPES)
+        and (branch_bias is None or (_kernels_apply(branch_bias, weight) and branch_bias.shape == (width,)))
     ):
         return residual_layer_norm_reference(
-            residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype
+            residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype, branch_bias
         )
     if seed is None and dropout_p > 0:
         seed = _draw_seed(residual.device)
     elif seed is None:  # never read: the kernels draw no mask
         seed = torch.zeros(1, dtype=torch.int64, device=residual.device)
     return _ResidualLayerNorm.apply(
-        residual, branch, weight, bias, float(eps), dropout_p, seed, int(offset), normalized_dtype
+        residual, branch, branch_bias, weight, bias, float(eps), dropout_p, seed, int(offset), normalized_dtype
     )
 
 

@@ -151,17 +151,21 @@ if triton is not None:
         return out, sums.sum(0)
 
 
+def _dtype_of(tensor: torch.Tensor | None) -> torch.dtype | None:
+    return tensor.dtype if tensor is not None else None
+
+
 class _MLPWithGeluInProducts(torch.autograd.Function):
     """proj(gelu(fc(states))) with every product in `dtype`; see the module docstring."""
 
     @staticmethod
     def forward(ctx, states, fc_weight, fc_bias, proj_weight, proj_bias, dtype):
-        ctx.dtypes = states.dtype, fc_weight.dtype, fc_bias.dtype, proj_weight.dtype, proj_bias.dtype
+        ctx.dtypes = states.dtype, fc_weight.dtype, fc_bias.dtype, proj_weight.dtype, _dtype_of(proj_bias)
         shape = states.shape
         rows = states.reshape(-1, shape[-1]).to(dtype).contiguous()
         low_fc_weight, low_proj_weight = fc_weight.to(dtype), proj_weight.to(dtype)
         pre, activation = _gelu_product(rows, low_fc_weight, fc_bias.to(dtype))
-        out = F.linear(activation, low_proj_weight, proj_bias.to(dtype))
+        out = F.linear(activation, low_proj_weight, proj_bias.to(dtype) if proj_bias is not None else None)
         ctx.fp32_weight_gradients = _fp32_weight_gradient(rows, fc_weight), _fp32_weight_gradient(rows, proj_weight)
         ctx.save_for_backward(rows, low_fc_weight, low_proj_weight, pre, activation)
         return out.view(*shape[:-1], out.shape[-1])
@@ -173,7 +177,7 @@ class _MLPWithGeluInProducts(torch.autograd.Function):
         fc_fp32, proj_fp32 = ctx.fp32_weight_gradients
         grad_rows = grad.reshape(-1, grad.shape[-1]).to(rows.dtype).contiguous()
         grad_proj_weight = weight_gradient(grad_rows, activation, proj_fp32).to(proj_weight_dtype)
-        grad_proj_bias = grad_rows.sum(0, dtype=torch.float32).to(proj_bias_dtype)
+        grad_proj_bias = None if proj_bias_dtype is None else grad_rows.sum(0, dtype=torch.float32).to(proj_bias_dtype)
         grad_pre, grad_fc_bias = _gelu_gradient_product(grad_rows, proj_weight, pre)
         grad_fc_weight = weight_gradient(grad_pre, rows, fc_fp32).to(fc_weight_dtype)
         grad_fc_bias = grad_fc_bias.to(fc_bias_dtype)
@@ -183,7 +187,8 @@ class _MLPWithGeluInProducts(torch.autograd.Function):
 
 def mlp_with_gelu_in_products(states, fc_weight, fc_bias, proj_weight, proj_bias):
     """proj(gelu(fc(states))) in autocast's dtype with GELU inside fc's product forward and inside the
-    gradient's product backward (see the module docstring). Call it where `gelu_products_apply` holds."""
+    gradient's product backward (see the module docstring); proj_bias None: proj's product without a bias.
+    Call it where `gelu_products_apply` holds."""
     dtype = torch.get_autocast_dtype(states.device.type)
     with torch.autocast(states.device.type, enabled=False):  # the products' dtype is chosen here, once
         return _MLPWithGeluInProducts.apply(states, fc_weight, fc_bias, proj_weight, proj_bias, dtype)
