@@ -275,8 +275,11 @@ class _ResidualLayerNorm(torch.autograd.Function):
         rstd = torch.empty_like(mean)
         block_rows, block_cols, num_warps = _tile(width)
         has_branch_bias = branch_bias is not None
+        # read only with a branch bias; else memory of its own: compiled code may copy an argument it takes for
+        # written and rebind the tensor, which must then be no other argument's
+        unused = torch.empty(1, device=residual.device)
         _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
-            residual, branch, branch_bias.contiguous() if has_branch_bias else bias, weight.contiguous(),
+            residual, branch, branch_bias.contiguous() if has_branch_bias else unused, weight.contiguous(),
             bias.contiguous(), seed, new_residual, normalized, mean, rstd,
             n_rows, width, offset, eps,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
