@@ -93,9 +93,10 @@ def test_linear_without_a_bias_is_autograds_linear(autocast):
         torch.testing.assert_close(layers_knowgpt.linear(layer, states, leave_bias_out=True), layer(states))
 
 
-def tiny_model_both_ways(flag: str, compiled: bool, monkeypatch):
+def tiny_model_both_ways(flag, compiled: bool, monkeypatch, dynamic: bool = False):
     """A tiny model's loss and every parameter's gradient under bf16 autocast, on CUDA, with `layers_knowgpt.<flag>`
-    False and then True (compiled by inductor, or not): ((loss, gradients), (loss, gradients))."""
+    (or, for a callable `flag`, `flag(model, value)`) False and then True, compiled by inductor (for a symbolic
+    token count where `dynamic`) or not: ((loss, gradients), (loss, gradients))."""
     from hf_knowgpt import KnowGPTForCausalLM
 
     torch.manual_seed(0)
@@ -103,15 +104,30 @@ def tiny_model_both_ways(flag: str, compiled: bool, monkeypatch):
     ids = torch.randint(0, model.config.vocab_size, (4, model.config.block_size), device="cuda")
     seen = []
     for value in (False, True):
-        monkeypatch.setattr(layers_knowgpt, flag, value)
+        if callable(flag):
+            flag(model, value)
+        else:
+            monkeypatch.setattr(layers_knowgpt, flag, value)
         model.zero_grad()
-        step = torch.compile(model, dynamic=False) if compiled else model
+        step = torch.compile(model, dynamic=dynamic) if compiled else model
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = step(input_ids=ids, labels=ids).loss
         loss.backward()
         seen.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
         torch._dynamo.reset()
     return seen
+
+
+def assert_alike_within_bf16(both_ways):
+    """The second of `tiny_model_both_ways`'s pairs is the first to within bf16's precision: the loss within a unit,
+    each gradient within about a unit of bf16 of its largest element (one rounding more or fewer moves it so far),
+    or of the model's largest gradient where its own are far below (sums that cancel)."""
+    (loss, grads), (loss2, grads2) = both_ways
+    torch.testing.assert_close(loss2, loss, rtol=2**-7, atol=0)
+    overall_largest = max(grad.abs().max().item() for grad in grads.values())
+    for name, grad in grads.items():
+        bound = 2**-6 * max(grad.abs().max().item(), 2**-6 * overall_largest)
+        torch.testing.assert_close(grads2[name], grad, rtol=2**-5, atol=bound, msg=lambda t, n=name: f"{n}: {t}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the layers take the kernel on CUDA tensors only")
