@@ -13,7 +13,9 @@ for the last two, as the model does. `torch` for bias + GELU is gelu(x + bias) i
 only` times gelu(x) alone, what the model pays when the bias is added inside the matmul, the bound a fused
 bias + GELU must beat. `torch compiled` is the residual's composition compiled by inductor, its LayerNorm's
 output cast to bf16 under autocast as the next layer casts it: what a compiled training step runs without
-`--fused_layers`; `fused, normalized bf16` writes that output in bf16 itself, as the model asks under autocast.
+`--fused_layers`; `fused, normalized bf16` writes that output in bf16 itself, as the model asks under autocast;
+`+ branch bias` adds the branch's last layer's bias too (the compiled composition summing its gradient, the fused
+kernel adding the bias and summing its gradient itself), as a step with `--fused_layers` does.
 Each time is the median of `--reps` forward + backward passes, timed with CUDA events:
 `graphed`, one CUDA graph of the pass replayed (GPU time alone, as the graphed training step runs it), and
 `eager`, the pass launched from Python (launch overhead included: at the handouts' shape it dominates).
@@ -121,9 +123,16 @@ def main():
             residual, branch, weight, bias, EPS, p, True, normalized_dtype=torch.bfloat16
         )
 
-    def torch_layer_for_the_next_product(residual, branch, weight, bias):
+    def torch_layer_for_the_next_product(residual, branch, weight, bias, branch_bias=None):
+        if branch_bias is not None:
+            branch = branch + branch_bias.to(branch.dtype)
         new, normalized = torch_layer(residual, branch, weight, bias)
         return new, normalized.to(torch.bfloat16) if torch.is_autocast_enabled("cuda") else normalized
+
+    def fused_layer_low_biased(residual, branch, weight, bias, branch_bias):
+        return fused_layers.fused_residual_layer_norm(
+            residual, branch, weight, bias, EPS, p, True, normalized_dtype=torch.bfloat16, branch_bias=branch_bias
+        )
 
     rows_out = []
     for shape_name in args.shapes:
@@ -134,11 +143,14 @@ def main():
             autocast = dtype != "fp32"
             torch._dynamo.reset()  # each shape and dtype compiled afresh, as a step compiles its own
             compiled_layer = torch.compile(torch_layer_for_the_next_product, dynamic=False)
+            biased = (*layer, torch.randn(width, device="cuda", requires_grad=True))
             variants = [
                 (f"residual+dropout({p})+LN", (rows, width), "torch", forward_backward(torch_layer, layer, autocast)),
                 (f"residual+dropout({p})+LN", (rows, width), "torch compiled", forward_backward(compiled_layer, layer, autocast)),
                 (f"residual+dropout({p})+LN", (rows, width), "fused", forward_backward(fused_layer, layer, False)),
-                *([(f"residual+dropout({p})+LN", (rows, width), "fused, normalized bf16", forward_backward(fused_layer_low, layer, False))] if autocast else []),
+                *([(f"residual+dropout({p})+LN", (rows, width), "fused, normalized bf16", forward_backward(fused_layer_low, layer, False)),
+                   (f"residual+dropout({p})+LN", (rows, width), "torch compiled + branch bias", forward_backward(compiled_layer, biased, autocast)),
+                   (f"residual+dropout({p})+LN", (rows, width), "fused, normalized bf16 + branch bias", forward_backward(fused_layer_low_biased, biased, False))] if autocast else []),
                 ("bias+GELU", (rows, 4 * width), "torch", forward_backward(fused_layers.bias_gelu_reference, gelu, False)),
                 ("bias+GELU", (rows, 4 * width), "torch gelu only", forward_backward(F.gelu, gelu[:1], False)),
                 ("bias+GELU", (rows, 4 * width), "fused", forward_backward(fused_layers.fused_bias_gelu, gelu, False)),
