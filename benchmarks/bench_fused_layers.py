@@ -55,6 +55,11 @@ def parse_args():
         "--tile_elements", type=int, default=None,
         help=f"elements per program tile, for tuning (default fused_layers.TILE_ELEMENTS = {fused_layers.TILE_ELEMENTS})",
     )  # fmt: skip
+    parser.add_argument(
+        "--programs_per_sm", type=int, default=None,
+        help="programs per multiprocessor of the backward kernels, which write one partial sum each, for tuning "
+        f"(default fused_layers.PROGRAMS_PER_SM = {fused_layers.PROGRAMS_PER_SM})",
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -109,6 +114,8 @@ def main():
         sys.exit("bench_fused_layers.py needs Triton (it ships with CUDA builds of torch).")
     if args.tile_elements is not None:
         fused_layers.TILE_ELEMENTS = args.tile_elements
+    if args.programs_per_sm is not None:
+        fused_layers.PROGRAMS_PER_SM = args.programs_per_sm
     print(f"device: {describe_device()}, torch {torch.__version__}, triton {fused_layers.triton.__version__}")
     p = args.dropout
 
@@ -170,7 +177,10 @@ def main():
 
     header = ("op", "shape", "dtype", "variant")
     widths = [max(len(header[i]), *(len(str(row[i])) for row in rows_out)) for i in range(4)]
-    print(f"\ntile elements: {fused_layers.TILE_ELEMENTS}, dropout {p}, median of {args.reps}")
+    print(
+        f"\ntile elements: {fused_layers.TILE_ELEMENTS}, backward programs per multiprocessor: "
+        f"{fused_layers.PROGRAMS_PER_SM}, dropout {p}, median of {args.reps}"
+    )
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths)) + " | graphed ms |   eager ms | speed-up (graphed)")
     for *cells, graph_ms, eager_ms, ratio in rows_out:
         print(
