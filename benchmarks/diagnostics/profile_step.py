@@ -112,7 +112,7 @@ def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
         folder = Path(state["generated_code"])
         folder.mkdir(parents=True, exist_ok=True)
         for path, module in zip(paths, modules):
-            if any(f"{name} = async_compile.triton('{name}'" in module for name in kernels):
+            if any(kernel_definition(name) in module for name in kernels):
                 shutil.copy(path, folder / path.name)
         print(f"(the modules that define them copied to {folder})")
     for name, (per_step, milliseconds) in kernels.items():
@@ -122,9 +122,14 @@ def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
                 print(f"    {line[:400]}")
 
 
+def kernel_definition(name: str) -> str:
+    """How a module inductor generated begins the definition of its kernel `name`."""
+    return f"{name} = async_compile.triton('{name}'"
+
+
 def describe_generated_kernel(module: str, name: str, microseconds: float) -> list[str]:
     """The lines of one generated module that say what kernel `name` is (none where it is not defined there)."""
-    definition = f"{name} = async_compile.triton('{name}'"
+    definition = kernel_definition(name)
     if definition not in module:
         return []
     before, after = module.split(definition, 1)

@@ -180,6 +180,15 @@ if triton is not None:
         return tl.rand(tl.load(seed_pointer), offsets) >= dropout_p
 
     @triton.jit
+    def _four_uniforms(seed, counters):
+        """Uniforms for four adjacent columns from each Philox evaluation: (R, C) counters give (R, 4C) uniforms,
+        columns 4c … 4c + 3 taking counter c's first, third, second and fourth outputs (tl.join's layout).
+        `fused_layers` draws its masks this way too."""
+        first, second, third, fourth = tl.rand4x(seed, counters)
+        quads = tl.join(tl.join(first, second), tl.join(third, fourth))
+        return tl.reshape(quads, (counters.shape[0], 4 * counters.shape[1]))
+
+    @triton.jit
     def _dropout_keep(
         seed_pointer, program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr, dropout_p,
         UNIFORMS: tl.constexpr,
@@ -192,9 +201,7 @@ if triton is not None:
         if UNIFORMS == 4:
             quads = first_col // 4 + tl.arange(0, COLS // 4)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 4) + quads[None, :]
-            first, second, third, fourth = tl.rand4x(tl.load(seed_pointer), offsets)
-            uniforms = tl.reshape(tl.join(tl.join(first, second), tl.join(third, fourth)), (rows.shape[0], COLS))
-            keep = uniforms >= dropout_p
+            keep = _four_uniforms(tl.load(seed_pointer), offsets) >= dropout_p
         else:
             cols = first_col + tl.arange(0, COLS)
             offsets = (program * ROW_STRIDE + rows[:, None]) * ROW_STRIDE + cols[None, :]

@@ -10,8 +10,8 @@ way over the (tokens, 4·n_embd) ones. Here each is one kernel forward and one b
   and in the backward pass the gradients of residual, branch, weight and bias in one more (the gradient of
   `new` arrives from both outputs). The dropout mask is never stored: both kernels draw it from the call's
   seed (element n = offset + i of the call keeps its value when uniform n is at least dropout_p, uniform n
-  being output n mod 4 of the four Philox gives at counter n // 4, so each evaluation serves four adjacent
-  elements), and only the seed and offset are kept for backward. `normalized_dtype` writes the
+  being one of the four outputs Philox gives at counter n // 4, in `fused_attention._four_uniforms`'s layout,
+  so each evaluation serves four adjacent elements), and only the seed and offset are kept for backward. `normalized_dtype` writes the
   LayerNorm's output in the dtype the next layer takes (bf16 under autocast) instead of casting it after.
 - `fused_bias_gelu(x, bias)` gives `gelu(x + bias)` (the exact erf GELU, torch's default) and in the
   backward pass the gradients of x and bias (the bias's summed in fp32 inside the kernel).
@@ -34,6 +34,8 @@ from .fused_attention import _interpreted, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .fused_attention import _four_uniforms
 
 # The widest row (n_embd) the LayerNorm kernel takes: a row lies in one program's registers.
 MAX_WIDTH = 1024
@@ -93,10 +95,11 @@ if triton is not None:
 
     @triton.jit
     def _uniforms_at(seed, numbers):
-        """Uniform n for each element number n: output n mod 4 of Philox's four at counter n // 4."""
+        """Uniform n for each element number n, one Philox evaluation each: of the four outputs at counter n // 4,
+        the one `_four_uniforms` lays out at position n mod 4 (first, third, second, fourth)."""
         first, second, third, fourth = tl.rand4x(seed, numbers // 4)
         lane = numbers % 4
-        return tl.where(lane == 0, first, tl.where(lane == 1, second, tl.where(lane == 2, third, fourth)))
+        return tl.where(lane == 0, first, tl.where(lane == 1, third, tl.where(lane == 2, second, fourth)))
 
     @triton.jit
     def _keep_in_tile(
@@ -109,14 +112,17 @@ if triton is not None:
         seed = tl.load(SEED)
         firsts = offset + rows.to(tl.int64) * n_cols  # each row's element number at column 0
         if QUADS:
-            counters = firsts[:, None] // 4 + tl.arange(0, BLOCK_COLS // 4)[None, :]
-            first, second, third, fourth = tl.rand4x(seed, counters)
-            # join(join(a, c), join(b, d)) lays the four out as a, b, c, d along each group of four columns
-            quads = tl.join(tl.join(first, third), tl.join(second, fourth))
-            uniforms = tl.reshape(quads, (rows.shape[0], BLOCK_COLS))
+            uniforms = _four_uniforms(seed, firsts[:, None] // 4 + tl.arange(0, BLOCK_COLS // 4)[None, :])
         else:
             uniforms = _uniforms_at(seed, firsts[:, None] + tl.arange(0, BLOCK_COLS)[None, :])
         return uniforms >= DROPOUT_P
+
+    @triton.jit
+    def _gelu_and_slope(u):
+        """GELU(u) = u·Φ(u) (the exact erf GELU) and its derivative Φ(u) + u·φ(u), in fp32."""
+        cdf = 0.5 * (1.0 + tl.erf(u * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * u * u) * 0.3989422804014327  # 1/√(2π)
+        return u * cdf, cdf + u * pdf
 
     @triton.jit
     def _dropped(values, keep, DROPOUT_P: tl.constexpr):
@@ -222,7 +228,7 @@ if triton is not None:
         elements = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
         bias = tl.load(BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         u = tl.load(X + elements, mask=inside, other=0.0).to(tl.float32) + bias[None, :]
-        out = 0.5 * u * (1.0 + tl.erf(u * 0.7071067811865476))
+        out, _ = _gelu_and_slope(u)
         tl.store(OUT + elements, out.to(OUT.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -242,9 +248,8 @@ if triton is not None:
             inside = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
             elements = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
             u = tl.load(X + elements, mask=inside, other=0.0).to(tl.float32) + bias[None, :]
-            cdf = 0.5 * (1.0 + tl.erf(u * 0.7071067811865476))
-            pdf = tl.exp(-0.5 * u * u) * 0.3989422804014327  # 1/√(2π)
-            grad_u = tl.load(GRAD_OUT + elements, mask=inside, other=0.0).to(tl.float32) * (cdf + u * pdf)
+            _, slope = _gelu_and_slope(u)
+            grad_u = tl.load(GRAD_OUT + elements, mask=inside, other=0.0).to(tl.float32) * slope
             tl.store(GRAD_X + elements, grad_u.to(GRAD_X.dtype.element_ty), mask=inside)
             grad_bias += tl.sum(grad_u, 0)
         tl.store(GRAD_BIAS_PARTS + program * n_cols + cols, grad_bias, mask=cols < n_cols)

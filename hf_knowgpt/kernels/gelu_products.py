@@ -30,6 +30,8 @@ from .fused_attention import _interpreted, triton
 if triton is not None:
     import triton.language as tl
 
+    from .fused_layers import _gelu_and_slope
+
 # Tile of the products: rows (tokens) × columns (features) × the inner dimension per step, rows of tiles grouped
 # for the cache, warps and software-pipelining stages. Chosen with benchmarks/diagnostics/gelu_products.py.
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_WARPS, NUM_STAGES = 128, 128, 64, 8, 8, 3
@@ -56,13 +58,6 @@ def gelu_products_apply(states: torch.Tensor, fc_weight: torch.Tensor, proj_weig
 
 
 if triton is not None:
-
-    @triton.jit
-    def _gelu_and_slope(pre):
-        """GELU(u) = u·Φ(u) and its derivative Φ(u) + u·φ(u), in fp32."""
-        cdf = 0.5 * (1.0 + tl.erf(pre * 0.7071067811865476))
-        pdf = tl.exp(-0.5 * pre * pre) * 0.3989422804014327  # 1/√(2π)
-        return pre * cdf, cdf + pre * pdf
 
     @triton.jit
     def _product_kernel(
