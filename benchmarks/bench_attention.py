@@ -14,8 +14,7 @@ keys, rotated first and attended by SDPA in fp32, against the fused kernel rotat
 kernel without rotation). `synthesizer`: keys by position shared by all rows and heads plus a bias per key,
 as SDPA in fp32 with the bias in its mask (what the synthesizer ran before) against the fused kernel. SDPA
 and the unfused kernel compute every position whatever the lengths. `dropout`: the default kernel taking
-four dropout uniforms from each Philox evaluation, one, its backward kernel reading the mask the forward one
-wrote as bits instead of drawing it twice (`STORED_DROPOUT_MASK`), or running without dropout. `correction`: the
+four dropout uniforms from each Philox evaluation, one, or running without dropout. `correction`: the
 backward pass's softmax correction dOᵢ·Oᵢ computed by a kernel of its own or in every backward program.
 `launch`: warps, software-pipelining stages and (backward) block size of each kernel alone. Each group's
 first kernel is its baseline, for the speed ratio and the differences.
@@ -227,11 +226,6 @@ def main():
             triton_kernel(None, lengths),
             inputs,
             {"UNIFORMS_PER_DRAW": 1},
-        ),
-        "dropout: triton, mask stored by the forward kernel, lengths": (
-            triton_kernel(None, lengths),
-            inputs,
-            {"STORED_DROPOUT_MASK": True},
         ),
         "dropout: triton, no dropout, lengths": (without_dropout(triton_kernel(None, lengths)), inputs, {}),
     }

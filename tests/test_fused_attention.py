@@ -58,17 +58,13 @@ KERNEL_VARIANTS = {
     "as-is": {},
     "one-uniform-per-draw": {"UNIFORMS_PER_DRAW": 1},
     "correction-in-backward": {"PRECOMPUTED_CORRECTION": False},
-    "mask-stored": {"STORED_DROPOUT_MASK": True},
-    "mask-stored-backward-blocks-of-32": {"STORED_DROPOUT_MASK": True, "BACKWARD_BLOCK_SIZE": 32},
 }
-DROPOUT_VARIANTS = ("one-uniform-per-draw", "mask-stored", "mask-stored-backward-blocks-of-32")
 
 
 @pytest.fixture(params=list(KERNEL_VARIANTS))
 def kernel_variant(request, monkeypatch):
     """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation instead
-    of four, the backward pass's softmax correction recomputed by every backward program, or the dropout
-    mask written by the forward kernel and read by the backward one (also in blocks of another size)."""
+    of four, or the backward pass's softmax correction recomputed by every backward program."""
     for name, value in KERNEL_VARIANTS[request.param].items():
         monkeypatch.setattr(fused_attention, name, value)
     return request.param
@@ -82,8 +78,8 @@ def kernel_variant(request, monkeypatch):
 def test_kernel_matches_fp64_reference_forward_and_backward(
     dtype, dropout_p, length, transposed, splits, block_size, kernel_variant
 ):
-    if dropout_p == 0.0 and kernel_variant in DROPOUT_VARIANTS:
-        pytest.skip("without dropout no mask is drawn")
+    if dropout_p == 0.0 and kernel_variant == "one-uniform-per-draw":
+        pytest.skip("without dropout no uniforms are drawn")
     if length > 128 and kernel_variant != "as-is":
         pytest.skip("the variants are checked at the shorter lengths (the interpreter is slow)")
     if splits == 2 and (length > 128 or kernel_variant != "as-is"):
@@ -295,19 +291,16 @@ def test_no_written_kernel_argument_shares_memory_with_another(call):
             key, bias = torch.randn(length, head_dim, dtype=torch.bfloat16), torch.randn(length)
     cos, sin = rotary if rotary is not None else (None, None)
     seed = torch.tensor([1])
-    stored_mask = call == "packed"  # the dropout mask written by the forward kernel, read by the backward one
-    options = (seq_len, 0.25, 0.1, 3, 16, stored_mask)
+    options = (seq_len, 0.25, 0.1, 3, 16)
     with fused_attention.recorded_launches() as launches:
-        out, out32, lse, rotated_query, rotated_key, keep_bits = torch.ops.knowgpt.causal_attention_forward(
+        out, out32, lse, rotated_query, rotated_key = torch.ops.knowgpt.causal_attention_forward(
             query, key, value, seed, lengths, starts, cos, sin, bias, *options
         )
         torch.ops.knowgpt.causal_attention_backward(
-            out, query, key, value, out32, lse, seed, keep_bits, lengths, starts, cos, sin, bias, *options
+            out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options
         )
     written = {
-        "_forward_kernel": ["OUT", "OUT32", "LSE"]
-        + (["QR", "KR"] if rotary is not None else [])
-        + (["KEEP_BITS"] if stored_mask else []),
+        "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
         "_correction_kernel": ["CORRECTION"],
         "_backward_kernel": ["GRAD_Q", "GRAD_K", "GRAD_V"] + (["GRAD_BIAS"] if bias is not None else []),
     }
@@ -328,19 +321,18 @@ def test_no_written_kernel_argument_shares_memory_with_another(call):
 
 @needs_kernel
 @pytest.mark.parametrize("call", ["grid", "packed-rotary", "packed-key-table-bias"])
-def test_stored_dropout_mask_is_the_drawn_one(block_size, call, monkeypatch):
-    """With STORED_DROPOUT_MASK the forward kernel writes its mask as bits and the backward kernel reads them
-    instead of drawing the mask again: the bits are `dropout_keep_mask`'s, and outputs and gradients are
-    bit for bit those of the kernels that draw it twice, with lengths, packed tokens, rotary, keys by
-    position and a bias, and the backward kernel in blocks of another size than the forward one's. Without
-    gradients (evaluation) no mask is written."""
+def test_gradients_repeat_bit_for_bit(block_size, call, monkeypatch):
+    """Two calls with one seed give the same output and gradients, bit for bit: each gradient is written by
+    one program (no atomics), and the backward kernel regenerates the forward kernel's dropout mask. With
+    lengths, packed tokens, rotary, keys by position with a bias, and backward blocks of the forward ones'
+    size or twice it."""
     torch.manual_seed(0)
     batch, heads, length, head_dim, dropout_p = 4, 2, 70, 16, 0.2
     lengths = torch.tensor([70, 5, 33, 64], device=DEVICE)
     real = torch.arange(length, device=DEVICE) < lengths[:, None]  # (B, T)
     seed = torch.tensor([21], dtype=torch.int64, device=DEVICE)
     query, key, value = head_inputs(batch, heads, length, head_dim, torch.bfloat16, True)
-    options = dict(seed=seed, lengths=lengths)
+    options = dict(seed=seed, lengths=lengths, block_size=block_size)
     if call != "grid":
         query, key, value = (states.detach().transpose(1, 2)[real].requires_grad_() for states in (query, key, value))
         options |= dict(starts=lengths.cumsum(0) - lengths, seq_len=length)
@@ -351,33 +343,17 @@ def test_stored_dropout_mask_is_the_drawn_one(block_size, call, monkeypatch):
         options["bias"] = torch.randn(length, device=DEVICE, requires_grad=True)
     inputs = [query, key, value] + ([options["bias"]] if "bias" in options else [])
     grad = torch.randn(query.shape, device=DEVICE).to(torch.bfloat16)
-
-    for backward_block in (None, 2 * block_size):  # another block size sums in another order: compared alike
+    for backward_block in (None, 2 * block_size):
         monkeypatch.setattr(fused_attention, "BACKWARD_BLOCK_SIZE", backward_block)
         results = []
-        for stored in (False, True):
-            monkeypatch.setattr(fused_attention, "STORED_DROPOUT_MASK", stored)
+        for _ in range(2):
             out = fused_causal_attention(query, key, value, 0.25, dropout_p, **options)
             results.append((out, *torch.autograd.grad(out, inputs, grad)))
-        for name, drawn, read in zip(("output", "query", "key", "value", "bias"), *results):
-            assert torch.equal(read, drawn), f"{name} differs with the mask stored, backward blocks {backward_block}"
-
-    keep = dropout_keep_mask(seed, batch, heads, length, dropout_p)
-    forward_options = (
-        options.get("starts"), *options.get("rotary", (None, None)), options.get("bias"), length,
-        0.25, dropout_p, 2, block_size, True,
-    )  # fmt: skip
-    *_, keep_bits = torch.ops.knowgpt.causal_attention_forward(query, key, value, seed, lengths, *forward_options)
-    words = keep_bits.to(torch.int32) & 0xFFFF
-    bits = ((words[..., None] >> torch.arange(16, device=DEVICE)) & 1).flatten(-2).bool()
-    stored = bits.view(batch, heads, *bits.shape[-2:])[:, :, :length, :length]
-    causal_real = torch.ones(length, length, dtype=torch.bool, device=DEVICE).tril() & real[:, None, :, None]
-    assert torch.equal(stored & causal_real, keep & causal_real)
-    with torch.no_grad():
-        *_, unwritten = torch.ops.knowgpt.causal_attention_forward(
-            query, key, value, seed, lengths, *forward_options[:-1], False
-        )
-    assert unwritten.numel() == 0
+        for name, first, second in zip(("output", "query", "key", "value", "bias"), *results):
+            differing = (first != second).sum().item()
+            assert differing == 0, (
+                f"{name}: {differing} elements differ between calls, backward blocks {backward_block}"
+            )
 
 
 @needs_kernel

@@ -20,8 +20,7 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
-`fused_attention.PRECOMPUTED_CORRECTION`); its backward kernel reading the dropout mask the forward kernel wrote
-as bits instead of drawing it again (`dropout-mask-stored`, `fused_attention.STORED_DROPOUT_MASK`); its forward and correction programs on one warp instead of two
+`fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
 (`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps
 before every graph's capture, not only the first's, each restored afterwards (`warmup3-every-graph`,
@@ -114,7 +113,6 @@ VARIANTS = {
     "uniforms1": {"fused_attention": {"UNIFORMS_PER_DRAW": 1}},
     "correction-kernel": {"fused_attention": {"PRECOMPUTED_CORRECTION": True}},
     "correction-inline": {"fused_attention": {"PRECOMPUTED_CORRECTION": False}},
-    "dropout-mask-stored": {"fused_attention": {"STORED_DROPOUT_MASK": True}},
     # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups
     # launch` timed them ("forward 1 warp").
     "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},

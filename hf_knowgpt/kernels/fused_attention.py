@@ -16,8 +16,8 @@ fp32). The products with an fp32 operand — the weights P or the score gradient
 split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
 three parts give fp32's 24 bits, two (the default) about 16, one what the flash kernel keeps. The dropout mask is
 regenerated from the call's seed in the backward pass instead of being stored (four adjacent keys'
-uniforms from each Philox evaluation; with `STORED_DROPOUT_MASK` the forward kernel writes it as bits for the
-backward kernel to read instead), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
+uniforms from each Philox evaluation; the mask written as bits by the forward kernel and read back was no faster,
+benchmarks/RESULTS.md), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
 fp32 copy of the output rather than from the rounded one.
 
 `fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
@@ -71,10 +71,6 @@ PRECOMPUTED_CORRECTION = True
 # Dropout uniforms taken from each Philox evaluation: 4, all it gives, or 1. Four made the kernel 7% faster
 # (0.117 against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100).
 UNIFORMS_PER_DRAW = 4
-# The forward kernel writes its dropout mask as bits (one 16-bit word per query and 16 keys: 2 MiB per layer
-# at the handout's step) for the backward kernel to read (True), or the backward kernel draws the mask again
-# from the seed, twice per block pair: once for the keys' and values' gradients, once for the queries'.
-STORED_DROPOUT_MASK = False
 
 
 def fused_attention_available() -> bool:
@@ -121,17 +117,6 @@ def _capturing(tensor) -> bool:
 
 def _block(length: int) -> int:
     return max(16, 1 << (length - 1).bit_length())
-
-
-def _keep_bits(programs: int, length: int, device) -> torch.Tensor:
-    """Room for a dropout mask as bits: one 16-bit word per (batch·head, query, 16 keys) of the padded length."""
-    row_stride = _block(length)
-    return torch.empty(programs, row_stride, row_stride // 16, dtype=torch.int16, device=device)
-
-
-def _training(*tensors) -> bool:
-    """Whether a backward pass may follow, so the forward pass's dropout mask is worth writing."""
-    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
 if triton is not None:
@@ -209,27 +194,6 @@ if triton is not None:
         return keep
 
     @triton.jit
-    def _keep_bit_offsets(program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr):
-        """Where the words of keys first_col … first_col + COLS − 1 of the queries `rows` lie: (batch·head,
-        query, key // 16), whatever the kernels' block size."""
-        words = first_col // 16 + tl.arange(0, COLS // 16)
-        return (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 16) + words[None, :]
-
-    @triton.jit
-    def _store_keep_bits(KEEP_BITS, keep, program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr):
-        """The (rows, COLS) dropout mask as bits: key first_col + 16w + j is bit j of word w."""
-        bits = tl.reshape(keep.to(tl.int32), (rows.shape[0], COLS // 16, 16)) << tl.arange(0, 16)[None, None, :]
-        offsets = _keep_bit_offsets(program, rows, first_col, COLS, ROW_STRIDE)
-        tl.store(KEEP_BITS + offsets, tl.sum(bits, 2).to(tl.int16))  # bit 15 wraps to the sign: read back alike
-
-    @triton.jit
-    def _load_keep_bits(KEEP_BITS, program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr):
-        """The mask `_store_keep_bits` wrote, as booleans."""
-        words = tl.load(KEEP_BITS + _keep_bit_offsets(program, rows, first_col, COLS, ROW_STRIDE)).to(tl.int32)
-        bits = (words[:, :, None] >> tl.arange(0, 16)[None, None, :]) & 1
-        return tl.reshape(bits, (rows.shape[0], COLS)) != 0
-
-    @triton.jit
     def _dot(a, b, acc, INTERPRETED: tl.constexpr):
         """acc + a·b of half-precision operands, products exact and sums in fp32 (tensor cores). The
         interpreter multiplies bf16 bit patterns as integers, so there the same values go in as fp32."""
@@ -281,18 +245,18 @@ if triton is not None:
 
     @triton.jit
     def _forward_kernel(
-        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS, QR, KR, KEEP_BITS,
+        Q, K, V, OUT, OUT32, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS, QR, KR,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
         sqr_b, sqr_h, sqr_t, sqr_d, skr_b, skr_h, skr_t, skr_d,
         n_head, seq_len,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
-        KEEP_BITS_STORED: tl.constexpr, INTERPRETED: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """One block of queries of one (batch, head): online softmax over the key blocks it sees. With
         ROTARY it also writes its rotated queries, and the rotated keys of its own block, to QR and KR for
-        the backward pass; with KEEP_BITS_STORED, its dropout mask to KEEP_BITS."""
+        the backward pass."""
         query_block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
         length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
@@ -318,8 +282,6 @@ if triton is not None:
                     keep = _dropout_keep(
                         SEED, program, rows, key_block * BLOCK, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS
                     )
-                    if KEEP_BITS_STORED:
-                        _store_keep_bits(KEEP_BITS, keep, program, rows, key_block * BLOCK, BLOCK, ROW_STRIDE)
                     weights = tl.where(keep, weights, 0.0)
                 out = _split_dot(weights, v, out * rescale[:, None], SPLITS, INTERPRETED)
                 row_max = new_max
@@ -378,9 +340,9 @@ if triton is not None:
 
     @triton.jit
     def _weight_gradients(
-        q, k, v, grad_out, lse, correction, BIAS, rows, first_col, length, SEED, KEEP_BITS, program,
+        q, k, v, grad_out, lse, correction, BIAS, rows, first_col, length, SEED, program,
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK: tl.constexpr, ROW_STRIDE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr, KEEP_BITS_STORED: tl.constexpr, INTERPRETED: tl.constexpr,
+        HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """For a block of queries against a block of keys: the weights after dropout (what multiplied V)
         and the gradient of the scores (bias included) dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), all in fp32; the
@@ -390,10 +352,7 @@ if triton is not None:
         weights = tl.exp(scores - lse[:, None])
         grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED)
         if DROPOUT_P > 0:
-            if KEEP_BITS_STORED:
-                keep = _load_keep_bits(KEEP_BITS, program, rows, first_col, BLOCK, ROW_STRIDE)
-            else:
-                keep = _dropout_keep(SEED, program, rows, first_col, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS)
+            keep = _dropout_keep(SEED, program, rows, first_col, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS)
             kept_weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
             grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
         else:
@@ -402,7 +361,7 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(
-        Q, K, V, OUT32, CORRECTION, GRAD_OUT, LSE, SEED, KEEP_BITS, LENGTHS, STARTS, COS, SIN, BIAS,
+        Q, K, V, OUT32, CORRECTION, GRAD_OUT, LSE, SEED, LENGTHS, STARTS, COS, SIN, BIAS,
         GRAD_Q, GRAD_K, GRAD_V, GRAD_BIAS,
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
@@ -410,7 +369,7 @@ if triton is not None:
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
-        PRECOMPUTED: tl.constexpr, KEEP_BITS_STORED: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECOMPUTED: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
         them), then of queries i (over the key blocks they see), so no two programs write one gradient.
@@ -435,8 +394,8 @@ if triton is not None:
                     sq_b, sq_h, sq_t, sq_d, sg_b, sg_h, sg_t, sg_d, HEAD_DIM, PRECOMPUTED,
                 )  # fmt: skip
                 kept_weights, grad_scores = _weight_gradients(
-                    q, k, v, grad_out, lse, correction, BIAS, rows, block * BLOCK, length, SEED, KEEP_BITS,
-                    program, SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, KEEP_BITS_STORED, INTERPRETED,
+                    q, k, v, grad_out, lse, correction, BIAS, rows, block * BLOCK, length, SEED, program,
+                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
                 )  # fmt: skip
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
@@ -451,8 +410,8 @@ if triton is not None:
                 k = _load(K, b, h, sk_b, sk_h, sk_t, sk_d, cols, dims, length, key_start)
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
-                    q, k, v, grad_out, lse, correction, BIAS, positions, key_block * BLOCK, length, SEED, KEEP_BITS,
-                    program, SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, KEEP_BITS_STORED, INTERPRETED,
+                    q, k, v, grad_out, lse, correction, BIAS, positions, key_block * BLOCK, length, SEED, program,
+                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
         # The scores' gradients times the scale: those of Q Kᵀ. Rotated queries' and keys' gradients are
@@ -481,9 +440,7 @@ if triton is not None:
             grid_strides = lambda tensor: (0, tensor.stride(1), tensor.stride(0), tensor.stride(2))  # noqa: E731
         return shape, lambda tensor: (0, 0, *tensor.stride()) if tensor.dim() == 2 else grid_strides(tensor)
 
-    def _launch(
-        kernel, shape, lengths, starts, rotary, key_table, bias, scale, dropout_p, splits, block_size, keep_bits_stored
-    ):
+    def _launch(kernel, shape, lengths, starts, rotary, key_table, bias, scale, dropout_p, splits, block_size):
         """The kernel over a grid of (block, batch·head) programs, with those of the shared options it takes."""
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
@@ -492,7 +449,7 @@ if triton is not None:
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
             SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
             KEY_TABLE=key_table, HAS_BIAS=bias is not None, UNIFORMS=UNIFORMS_PER_DRAW,
-            PRECOMPUTED=PRECOMPUTED_CORRECTION, KEEP_BITS_STORED=keep_bits_stored, INTERPRETED=_interpreted(),
+            PRECOMPUTED=PRECOMPUTED_CORRECTION, INTERPRETED=_interpreted(),
         )  # fmt: skip
         options = {name: value for name, value in options.items() if name in kernel.arg_names}
         backward = kernel is _backward_kernel
@@ -533,10 +490,7 @@ if triton is not None:
         dropout_p: float,
         splits: int,
         block_size: int,
-        keep_bits_stored: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The output, its fp32 copy, the log-sum-exp, rotated copies of query and key (empty without rotary)
-        and the dropout mask as bits (empty unless `keep_bits_stored`)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
         rotary = cos is not None
@@ -549,17 +503,14 @@ if triton is not None:
         rotated_query = torch.empty_like(query) if rotary else query.new_empty(0)
         rotated_key = torch.empty_like(key) if rotary else key.new_empty(0)
         rotated_strides = [*strides(rotated_query), *strides(rotated_key)] if rotary else [0] * 8  # never read
-        keep_bits = _keep_bits(batch * heads, length, query.device) if keep_bits_stored else query.new_empty(0)
         _launch(
-            _forward_kernel, shape, lengths, starts, rotary, key.dim() == 2, bias, scale, dropout_p, splits, block_size,
-            keep_bits_stored,
+            _forward_kernel, shape, lengths, starts, rotary, key.dim() == 2, bias, scale, dropout_p, splits, block_size
         )(
             query, key, value, out, out32, lse, seed,
             *_pointers(query.device, lengths, starts, cos, sin, bias, *((rotated_query, rotated_key) if rotary else (None, None))),
-            *_pointers(query.device, keep_bits if keep_bits_stored else None),
             *strides(query), *strides(key), *strides(value), *strides(out), *rotated_strides,
         )  # fmt: skip
-        return out, out32, lse, rotated_query, rotated_key, keep_bits
+        return out, out32, lse, rotated_query, rotated_key
 
     @torch.library.triton_op("knowgpt::causal_attention_backward", mutates_args=())
     def _causal_attention_backward(
@@ -570,7 +521,6 @@ if triton is not None:
         out32: torch.Tensor,
         lse: torch.Tensor,
         seed: torch.Tensor,
-        keep_bits: torch.Tensor,
         lengths: torch.Tensor | None,
         starts: torch.Tensor | None,
         cos: torch.Tensor | None,
@@ -581,11 +531,9 @@ if triton is not None:
         dropout_p: float,
         splits: int,
         block_size: int,
-        keep_bits_stored: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of query, key, value and bias (empty without one); with rotary tables, `query` and `key`
-        are the forward pass's rotated copies. `keep_bits`: the forward pass's dropout mask, read when
-        `keep_bits_stored` (otherwise drawn again from `seed`)."""
+        are the forward pass's rotated copies."""
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
         key_table = key.dim() == 2
@@ -596,9 +544,8 @@ if triton is not None:
         grad_k = torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
         grad_bias = torch.empty(batch * heads, length, device=key.device) if bias is not None else key.new_empty(0)
         launch = lambda kernel: _launch(  # noqa: E731
-            kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits, block_size,
-            keep_bits_stored,
-        )  # fmt: skip
+            kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits, block_size
+        )
         correction = None
         if PRECOMPUTED_CORRECTION:
             correction = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
@@ -607,8 +554,7 @@ if triton is not None:
             )
         launch(_backward_kernel)(
             query, key, value, *_pointers(query.device, None if PRECOMPUTED_CORRECTION else out32, correction),
-            grad_out, lse, seed, *_pointers(query.device, keep_bits if keep_bits_stored else None),
-            *_pointers(query.device, lengths, starts, cos, sin, bias),
+            grad_out, lse, seed, *_pointers(query.device, lengths, starts, cos, sin, bias),
             grad_q, grad_k, grad_v, *_pointers(query.device, grad_bias if bias is not None else None),
             *strides(query), *strides(key), *strides(value), *strides(grad_out),
             *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v),
@@ -620,20 +566,20 @@ if triton is not None:
 
     def _setup_context(ctx, inputs, output):
         query, key, value, seed, lengths, starts, cos, sin, bias, *options = inputs
-        _, out32, lse, rotated_query, rotated_key, keep_bits = output
+        _, out32, lse, rotated_query, rotated_key = output
         if cos is not None:  # the backward pass reads the rotated copies instead
             query, key = rotated_query, rotated_key
-        ctx.save_for_backward(query, key, value, out32, lse, seed, keep_bits, lengths, starts, cos, sin, bias)
-        ctx.mark_non_differentiable(out32, lse, rotated_query, rotated_key, keep_bits)
+        ctx.save_for_backward(query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias)
+        ctx.mark_non_differentiable(out32, lse, rotated_query, rotated_key)
         ctx.options = options
 
     def _backward(ctx, grad_out, *unused_grads):
-        query, key, value, out32, lse, seed, keep_bits, lengths, starts, cos, sin, bias = ctx.saved_tensors
+        query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_bias = _causal_attention_backward(
-            grad_out, query, key, value, out32, lse, seed, keep_bits, lengths, starts, cos, sin, bias, *ctx.options
+            grad_out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *ctx.options
         )
         # No gradients for the seed, lengths, starts, rotary tables and the options.
-        return grad_q, grad_k, grad_v, *[None] * 5, grad_bias if bias is not None else None, *[None] * 6
+        return grad_q, grad_k, grad_v, *[None] * 5, grad_bias if bias is not None else None, *[None] * 5
 
     _causal_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
@@ -734,7 +680,6 @@ def fused_causal_attention(
     out, *_ = _causal_attention_forward(
         query, key, value, seed, lengths, starts, cos, sin, bias, seq_len,
         float(scale), float(dropout_p), int(splits), int(block_size),
-        STORED_DROPOUT_MASK and dropout_p > 0 and _training(query, key, value),
     )  # fmt: skip
     return out
 
