@@ -105,41 +105,11 @@ def branch_bias(layer: nn.Module) -> torch.Tensor | None:
     return layer.bias if _plain(layer) else None
 
 
-# The MLP's GELU inside its matrix products (hf_knowgpt.kernels.gelu_products) while training under bf16 or fp16
-# autocast where Triton runs, instead of a pass of its own each way over the (tokens, 4·n_embd) states. Off until
-# the whole training step has been timed both ways.
-GELU_IN_PRODUCTS = False
-
-
-def _mlp_function(states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear):
-    """The kernel module's `mlp_with_gelu_in_products` where GELU_IN_PRODUCTS says so and it applies (training
-    plain layers around the exact GELU), else None."""
-    if not (
-        GELU_IN_PRODUCTS
-        and type(activation) is nn.GELU
-        and activation.approximate == "none"
-        and _plain(fc)
-        and _plain(proj)
-        and torch.is_grad_enabled()
-        and fc.weight.requires_grad
-    ):
-        return None
-    try:  # the package's kernels: a checkpoint's own copy of this code runs without them
-        from hf_knowgpt.kernels.gelu_products import gelu_products_apply, mlp_with_gelu_in_products
-    except ModuleNotFoundError:
-        return None
-    return mlp_with_gelu_in_products if gelu_products_apply(states, fc.weight, proj.weight) else None
-
-
 def mlp(
     states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear, leave_proj_bias_out: bool = False
 ) -> torch.Tensor:
-    """proj(activation(fc(states))), by `linear` for each layer, or with GELU inside the products where
-    GELU_IN_PRODUCTS says so and the kernels apply; `leave_proj_bias_out` as `linear`'s `leave_bias_out`."""
-    function = _mlp_function(states, fc, activation, proj)
-    if function is not None:
-        proj_bias = None if leave_proj_bias_out else proj.bias
-        return function(states, fc.weight, fc.bias, proj.weight, proj_bias)
+    """proj(activation(fc(states))), by `linear` for each layer; `leave_proj_bias_out` as `linear`'s
+    `leave_bias_out`."""
     # proj's bias gradient stays autograd's: the column-sum kernel did not pay at its width (n_embd).
     return linear(proj, activation(linear(fc, states)), bias_by_kernel=False, leave_bias_out=leave_proj_bias_out)
 

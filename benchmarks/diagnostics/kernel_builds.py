@@ -2,9 +2,7 @@
 """The package's Triton kernels built for a GPU architecture without a GPU (`triton.compile` for a target, as a
 CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), its
 shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
-kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), with the dropout mask
-drawn in the backward kernel and stored by the forward one; for the MLP's GELU products at their tile settings;
-for the residual + dropout + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16
+kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16
 branch and normalized output), their dropout drawn one Philox evaluation per four elements and per element. A
 table is printed last.
 
@@ -28,11 +26,11 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_knowgpt.kernels import fused_attention, fused_layers, gelu_products  # noqa: E402
+from hf_knowgpt.kernels import fused_attention, fused_layers  # noqa: E402
 
 POINTER_TYPES = {
-    "SEED": "*i64", "LENGTHS": "*i32", "STARTS": "*i32", "KEEP_BITS": "*i16", "LSE": "*fp32", "OUT32": "*fp32",
-    "CORRECTION": "*fp32", "COS": "*fp32", "SIN": "*fp32", "BIAS": "*fp32", "GRAD_BIAS": "*fp32", "SUMS": "*fp32",
+    "SEED": "*i64", "LENGTHS": "*i32", "STARTS": "*i32", "LSE": "*fp32", "OUT32": "*fp32",
+    "CORRECTION": "*fp32", "COS": "*fp32", "SIN": "*fp32", "BIAS": "*fp32", "GRAD_BIAS": "*fp32",
 }  # fmt: skip
 
 
@@ -67,42 +65,20 @@ def sass_instructions(compiled) -> int:
 
 
 def attention_builds(arch):
-    """(name, compiled) of the attention's forward and backward kernels, mask drawn and stored."""
+    """(name, compiled) of the attention's forward and backward kernels."""
     pointers = [name for name in fused_attention._backward_kernel.arg_names if name.isupper() and len(name) > 1]
     pointers += ["Q", "K", "V", "QR", "KR", "OUT"]
     strides_of_one = {"sq_d": 1, "sk_d": 1, "sv_d": 1, "so_d": 1, "sg_d": 1, "sgq_d": 1, "sgk_d": 1, "sgv_d": 1}
-    for stored in (False, True):
-        settings = dict(
-            SCALE=32**-0.5, DROPOUT_P=0.1, HEAD_DIM=32, ROW_STRIDE=128, BLOCK=16, SPLITS=fused_attention.DEFAULT_SPLITS,
-            HAS_LENGTHS=True, PACKED=True, ROTARY=False, KEY_TABLE=False, HAS_BIAS=False,
-            UNIFORMS=fused_attention.UNIFORMS_PER_DRAW, PRECOMPUTED=True, KEEP_BITS_STORED=stored, INTERPRETED=False,
-        )  # fmt: skip
-        way = "mask stored" if stored else "mask drawn"
-        for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
-            constants = {
-                name: value for name, value in {**settings, **strides_of_one}.items() if name in kernel.arg_names
-            }
-            multiples = [name for name in kernel.arg_names if name in pointers or name.startswith("s")]
-            compiled = build(kernel, constants, pointers, multiples, 2, 3, arch)
-            yield f"attention {kernel.fn.__name__.strip('_')}, {way}", compiled
-
-
-def gelu_product_builds(arch):
-    """(name, compiled) of the GELU product kernel forward and backward at the module's tile settings."""
-    kernel = gelu_products._product_kernel
-    tile = dict(
-        BLOCK_M=gelu_products.BLOCK_M, BLOCK_N=gelu_products.BLOCK_N, BLOCK_K=gelu_products.BLOCK_K,
-        GROUP_M=gelu_products.GROUP_M, INTERPRETED=False,
+    settings = dict(
+        SCALE=32**-0.5, DROPOUT_P=0.1, HEAD_DIM=32, ROW_STRIDE=128, BLOCK=16, SPLITS=fused_attention.DEFAULT_SPLITS,
+        HAS_LENGTHS=True, PACKED=True, ROTARY=False, KEY_TABLE=False, HAS_BIAS=False,
+        UNIFORMS=fused_attention.UNIFORMS_PER_DRAW, PRECOMPUTED=True, INTERPRETED=False,
     )  # fmt: skip
-    # forward: A the (tokens, 256) states, B fc's weight transposed; backward: A the (tokens, 256) gradient, B proj's
-    for forward, strides in ((True, dict(sa_k=1, sb_k=1)), (False, dict(sa_k=1, sb_n=1))):
-        constants = {**tile, **strides, "FORWARD": forward}
-        pointers = ["A", "B", "BIAS", "PRE", "OUT", "SUMS"]
-        multiples = [*pointers, "N", "K", "sa_m", "sb_k", "sb_n"]
-        compiled = build(
-            kernel, constants, pointers, multiples, gelu_products.NUM_WARPS, gelu_products.NUM_STAGES, arch
-        )
-        yield f"GELU product, {'forward' if forward else 'backward'}", compiled
+    for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
+        constants = {name: value for name, value in {**settings, **strides_of_one}.items() if name in kernel.arg_names}
+        multiples = [name for name in kernel.arg_names if name in pointers or name.startswith("s")]
+        compiled = build(kernel, constants, pointers, multiples, 2, 3, arch)
+        yield f"attention {kernel.fn.__name__.strip('_')}", compiled
 
 
 def residual_layer_norm_builds(arch):
@@ -134,7 +110,7 @@ def main():
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, without its warning
     rows = []
-    builds = [*attention_builds(args.arch), *gelu_product_builds(args.arch), *residual_layer_norm_builds(args.arch)]
+    builds = [*attention_builds(args.arch), *residual_layer_norm_builds(args.arch)]
     for name, compiled in builds:
         ttgir = compiled.asm["ttgir"]
         rows.append(

@@ -61,11 +61,8 @@ over all the tokens at once, where the model sums 256 at a time and then those s
 autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); the
 linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
 (`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
-other way); the MLP's GELU inside its products' epilogues, forward and backward, instead of a pass of its own each
-way (`gelu-in-products`, `layers_knowgpt.GELU_IN_PRODUCTS`); every residual sum with its dropout and the LayerNorm
-after it as the package's Triton kernel each way instead of inductor's (`fused-layers`: it adds `--fused_layers` to
-the command); the stored mask, GELU in the products and the fused residual kernels together
-(`mask-stored-gelu-products-fused-layers`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
+other way); every residual sum with its dropout and the LayerNorm after it as the package's Triton kernel each
+way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
 (`blas-no-workspace`, environment variables set before the run starts); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
@@ -144,14 +141,7 @@ VARIANTS = {
     "bias-gradient-by-autograd": {"layers_knowgpt": {"BIAS_GRADIENT_KERNEL": False}},
     "fp32-weight-gradients": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": True}},
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
-    "gelu-in-products": {"layers_knowgpt": {"GELU_IN_PRODUCTS": True}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
-    # the three candidates above together
-    "mask-stored-gelu-products-fused-layers": {
-        "fused_attention": {"STORED_DROPOUT_MASK": True},
-        "layers_knowgpt": {"GELU_IN_PRODUCTS": True},
-        "flags": ["--fused_layers"],
-    },
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
