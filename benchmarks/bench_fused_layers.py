@@ -16,7 +16,8 @@ output cast to bf16 under autocast as the next layer casts it: what a compiled t
 `--fused_layers`; `fused, normalized bf16` writes that output in bf16 itself, as the model asks under autocast;
 `+ branch bias` adds the branch's last layer's bias too (the compiled composition summing its gradient, the fused
 kernel adding the bias and summing its gradient itself), as a step with `--fused_layers` does.
-Each time is the median of `--reps` forward + backward passes, timed with CUDA events:
+Each time is the median of `--reps` forward + backward passes (`--passes forward`: forward passes alone,
+without gradients), timed with CUDA events:
 `graphed`, one CUDA graph of the pass replayed (GPU time alone, as the graphed training step runs it), and
 `eager`, the pass launched from Python (launch overhead included: at the handouts' shape it dominates).
 The speed-up compares graphed times.
@@ -60,6 +61,13 @@ def parse_args():
         help="programs per multiprocessor of the backward kernels, which write one partial sum each, for tuning "
         f"(default fused_layers.PROGRAMS_PER_SM = {fused_layers.PROGRAMS_PER_SM})",
     )  # fmt: skip
+    parser.add_argument(
+        "--passes", choices=["forward+backward", "forward"], default="forward+backward",
+        help="what each variant times: a training step's share (default) or its forward pass alone, without gradients",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ops", nargs="+", choices=["residual", "gelu"], default=["residual", "gelu"], help="which ops to time"
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -77,12 +85,17 @@ def median_ms(step, reps: int, warmup: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def forward_backward(function, inputs, autocast: bool):
+def forward_backward(function, inputs, autocast: bool, backward: bool = True):
     """One training step's share of `function`: its outputs, then the gradients of all `inputs` for fixed
-    output gradients (made once, on the first call)."""
+    output gradients (made once, on the first call); without `backward`, its outputs alone, without
+    gradients."""
     output_grads = []
 
     def step():
+        if not backward:
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                function(*inputs)
+            return
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             outputs = function(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -141,6 +154,9 @@ def main():
             residual, branch, weight, bias, EPS, p, True, normalized_dtype=torch.bfloat16, branch_bias=branch_bias
         )
 
+    def timed(function, inputs, under_autocast):
+        return forward_backward(function, inputs, under_autocast, backward=args.passes == "forward+backward")
+
     rows_out = []
     for shape_name in args.shapes:
         rows, width = SHAPES[shape_name]
@@ -151,17 +167,26 @@ def main():
             torch._dynamo.reset()  # each shape and dtype compiled afresh, as a step compiles its own
             compiled_layer = torch.compile(torch_layer_for_the_next_product, dynamic=False)
             biased = (*layer, torch.randn(width, device="cuda", requires_grad=True))
-            variants = [
-                (f"residual+dropout({p})+LN", (rows, width), "torch", forward_backward(torch_layer, layer, autocast)),
-                (f"residual+dropout({p})+LN", (rows, width), "torch compiled", forward_backward(compiled_layer, layer, autocast)),
-                (f"residual+dropout({p})+LN", (rows, width), "fused", forward_backward(fused_layer, layer, False)),
-                *([(f"residual+dropout({p})+LN", (rows, width), "fused, normalized bf16", forward_backward(fused_layer_low, layer, False)),
-                   (f"residual+dropout({p})+LN", (rows, width), "torch compiled + branch bias", forward_backward(compiled_layer, biased, autocast)),
-                   (f"residual+dropout({p})+LN", (rows, width), "fused, normalized bf16 + branch bias", forward_backward(fused_layer_low_biased, biased, False))] if autocast else []),
-                ("bias+GELU", (rows, 4 * width), "torch", forward_backward(fused_layers.bias_gelu_reference, gelu, False)),
-                ("bias+GELU", (rows, 4 * width), "torch gelu only", forward_backward(F.gelu, gelu[:1], False)),
-                ("bias+GELU", (rows, 4 * width), "fused", forward_backward(fused_layers.fused_bias_gelu, gelu, False)),
-            ]  # fmt: skip
+            residual_group, gelu_group = f"residual+dropout({p})+LN", "bias+GELU"
+            variants = []
+            if "residual" in args.ops:
+                variants += [
+                    (residual_group, (rows, width), "torch", timed(torch_layer, layer, autocast)),
+                    (residual_group, (rows, width), "torch compiled", timed(compiled_layer, layer, autocast)),
+                    (residual_group, (rows, width), "fused", timed(fused_layer, layer, False)),
+                ]
+            if "residual" in args.ops and autocast:
+                variants += [
+                    (residual_group, (rows, width), "fused, normalized bf16", timed(fused_layer_low, layer, False)),
+                    (residual_group, (rows, width), "torch compiled + branch bias", timed(compiled_layer, biased, autocast)),
+                    (residual_group, (rows, width), "fused, normalized bf16 + branch bias", timed(fused_layer_low_biased, biased, False)),
+                ]  # fmt: skip
+            if "gelu" in args.ops:
+                variants += [
+                    (gelu_group, (rows, 4 * width), "torch", timed(fused_layers.bias_gelu_reference, gelu, False)),
+                    (gelu_group, (rows, 4 * width), "torch gelu only", timed(F.gelu, gelu[:1], False)),
+                    (gelu_group, (rows, 4 * width), "fused", timed(fused_layers.fused_bias_gelu, gelu, False)),
+                ]
             baseline = {}
             for group, group_shape, variant, step in variants:
                 eager_ms = median_ms(step, args.reps, args.warmup)
@@ -179,7 +204,7 @@ def main():
     widths = [max(len(header[i]), *(len(str(row[i])) for row in rows_out)) for i in range(4)]
     print(
         f"\ntile elements: {fused_layers.TILE_ELEMENTS}, backward programs per multiprocessor: "
-        f"{fused_layers.PROGRAMS_PER_SM}, dropout {p}, median of {args.reps}"
+        f"{fused_layers.PROGRAMS_PER_SM}, dropout {p}, median of {args.reps}, passes timed: {args.passes}"
     )
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths)) + " | graphed ms |   eager ms | speed-up (graphed)")
     for *cells, graph_ms, eager_ms, ratio in rows_out:

@@ -350,10 +350,13 @@ def test_compiled_and_graphed_calls_match_eager():
         # stream, which the capture below may not wait on.
         return [tensor.detach() for tensor in (*outputs, *grads)]
 
-    # The partial sums of the weight's and bias's gradients may be summed in another order when compiled.
+    # The partial sums of the weight's and bias's gradients may be summed in another order when compiled, and
+    # inductor builds the kernels again for its own launch: fp32 arithmetic differing in its last bit can round a
+    # bf16 output the other way (one unit in 1 of 6144 elements, H200), so bf16 outputs may differ by one unit.
     eager = step(forward)
     for got, want in zip(step(torch.compile(forward)), eager):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        one_unit = 2.0**-7 if want.dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(got, want, rtol=one_unit, atol=1e-6)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
