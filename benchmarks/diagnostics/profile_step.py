@@ -103,10 +103,8 @@ def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
     compiled graph's module): the source nodes and ATen operators, the launch heuristics with their size hints,
     whether it is a combo kernel (several kernels in one launch), and the sizes its call sites launch it with. A
     name can belong to several graphs (forward, backward, batch, clipping); each is printed."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     print("\nthe slowest inductor kernels, as generated:")
-    paths = list(Path(cache_dir()).rglob("*.py"))
+    paths = generated_modules()
     modules = [path.read_text(errors="ignore") for path in paths]
     if state.get("generated_code"):
         folder = Path(state["generated_code"])
@@ -120,6 +118,17 @@ def describe_inductor_kernels(kernels: dict[str, tuple[float, float]]):
         for module in modules:
             for line in describe_generated_kernel(module, name, 1000 * milliseconds):
                 print(f"    {line[:400]}")
+
+
+def generated_modules() -> list[Path]:
+    """The files of the modules inductor loaded in this process (its cache also holds other processes' graphs,
+    such as tests' small models, whose kernels can bear the same names); the whole cache where it loaded none."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    loaded = [*PyCodeCache.modules, *PyCodeCache.modules_no_attr.values()]
+    files = {Path(module.__file__) for module in loaded if getattr(module, "__file__", None)}
+    return sorted(path for path in files if path.exists()) or list(Path(cache_dir()).rglob("*.py"))
 
 
 def kernel_definition(name: str) -> str:
