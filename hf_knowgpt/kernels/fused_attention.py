@@ -491,6 +491,7 @@ if triton is not None:
         splits: int,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The output, its fp32 copy, the log-sum-exp, and rotated copies of query and key (empty without rotary)."""
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
         rotary = cos is not None
