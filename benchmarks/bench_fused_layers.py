@@ -15,7 +15,8 @@ bias + GELU must beat. `torch compiled` is the residual's composition compiled b
 output cast to bf16 under autocast as the next layer casts it: what a compiled training step runs without
 `--fused_layers`; `fused, normalized bf16` writes that output in bf16 itself, as the model asks under autocast;
 `+ branch bias` adds the branch's last layer's bias too (the compiled composition summing its gradient, the fused
-kernel adding the bias and summing its gradient itself), as a step with `--fused_layers` does.
+kernel adding the bias and summing its gradient itself), as a step with `--fused_layers` does; `mask stored` has the
+forward kernel write its dropout mask as bytes for the backward kernel to read (`fused_layers.RESIDUAL_MASK_STORED`).
 Each time is the median of `--reps` forward + backward passes (`--passes forward`: forward passes alone,
 without gradients), timed with CUDA events:
 `graphed`, one CUDA graph of the pass replayed (GPU time alone, as the graphed training step runs it), and
@@ -154,6 +155,18 @@ def main():
             residual, branch, weight, bias, EPS, p, True, normalized_dtype=torch.bfloat16, branch_bias=branch_bias
         )
 
+    def mask_stored(function):
+        """`function` with its dropout mask written by the forward kernel and read by the backward one."""
+
+        def call(*inputs):
+            fused_layers.RESIDUAL_MASK_STORED = True
+            try:
+                return function(*inputs)
+            finally:
+                fused_layers.RESIDUAL_MASK_STORED = False
+
+        return call
+
     def timed(function, inputs, under_autocast):
         return forward_backward(function, inputs, under_autocast, backward=args.passes == "forward+backward")
 
@@ -180,6 +193,7 @@ def main():
                     (residual_group, (rows, width), "fused, normalized bf16", timed(fused_layer_low, layer, False)),
                     (residual_group, (rows, width), "torch compiled + branch bias", timed(compiled_layer, biased, autocast)),
                     (residual_group, (rows, width), "fused, normalized bf16 + branch bias", timed(fused_layer_low_biased, biased, False)),
+                    (residual_group, (rows, width), "fused, normalized bf16 + branch bias, mask stored", timed(mask_stored(fused_layer_low_biased), biased, False)),
                 ]  # fmt: skip
             if "gelu" in args.ops:
                 variants += [

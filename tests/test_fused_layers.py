@@ -216,6 +216,46 @@ def test_kernel_drops_what_the_mask_function_drops(width):
 
 
 @needs_kernel
+@pytest.mark.parametrize("width, offset", [(96, 0), (90, 0), (96, 1003)], ids=["quads", "odd-width", "odd-offset"])
+def test_stored_mask_gives_what_the_drawn_one_gives(width, offset, monkeypatch):
+    """With RESIDUAL_MASK_STORED the forward kernel writes its mask as bytes and the backward kernel reads them
+    instead of drawing the mask again: outputs and every gradient (the branch's bias's included) are bit for bit
+    those of the kernels that draw it twice, on the tiles' path of four elements per Philox evaluation and on the
+    path of one per element. 150 rows make the backward programs loop; without dropout nothing is stored."""
+    torch.manual_seed(0)
+    shape, dropout_p = (150, width), 0.25
+    residual, branch, weight, bias = layer_inputs(shape, torch.float32)
+    branch_bias = (0.5 * torch.randn(width, device=DEVICE)).requires_grad_()
+    inputs = (residual, branch, branch_bias, weight, bias)
+    seed = torch.tensor([5], dtype=torch.int64, device=DEVICE)
+    grads_out = (torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE))
+    results, stored_masks = [], []
+    real_empty = torch.empty
+
+    def recording_empty(*args, dtype=None, **kwargs):  # the mask's buffer is the only int8 one of its shape
+        tensor = real_empty(*args, dtype=dtype, **kwargs)
+        if dtype == torch.int8 and tuple(tensor.shape) == shape:
+            stored_masks.append(tensor)
+        return tensor
+
+    monkeypatch.setattr(fused_layers.torch, "empty", recording_empty)
+    for stored in (False, True):
+        monkeypatch.setattr(fused_layers, "RESIDUAL_MASK_STORED", stored)
+        outputs = fused_residual_layer_norm(
+            residual, branch, weight, bias, EPS, dropout_p, True, seed=seed, offset=offset, branch_bias=branch_bias
+        )
+        results.append((*outputs, *torch.autograd.grad(outputs, inputs, grads_out)))
+    names = ("new residual", "normalized", *(f"gradient of {name}" for name in ("residual", "branch", "branch bias")))
+    for name, drawn, read in zip((*names, "gradient of weight", "gradient of bias"), *results):
+        assert torch.equal(read, drawn), f"{name} differs with the mask stored"
+    assert len(stored_masks) == 1, "the mask is stored once, and only when asked"
+    keep = residual_dropout_keep_mask(seed, shape, dropout_p, offset=offset)
+    assert torch.equal(stored_masks[0].bool(), keep)
+    fused_residual_layer_norm(residual, branch, weight, bias, EPS, 0.0, True, seed=seed)
+    assert len(stored_masks) == 1, "without dropout no mask is stored"
+
+
+@needs_kernel
 def test_dropout_mask_rate_and_repeatability():
     seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
     keep = residual_dropout_keep_mask(seed, (256, 1024), 0.1)

@@ -2,9 +2,10 @@
 """The package's Triton kernels built for a GPU architecture without a GPU (`triton.compile` for a target, as a
 CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), its
 shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
-kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16
-branch and normalized output), their dropout drawn one Philox evaluation per four elements and per element. A
-table is printed last.
+kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout
++ LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
+output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
+kernel. A table is printed last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
 
@@ -83,21 +84,22 @@ def attention_builds(arch):
 
 def residual_layer_norm_builds(arch):
     """(name, compiled) of the residual + dropout + LayerNorm kernels forward and backward at 256 wide, as the model
-    launches them under bf16 autocast (`fused_layers._tile`, the branch's bias added), with and without four
-    elements per Philox evaluation."""
+    launches them under bf16 autocast (`fused_layers._tile`, the branch's bias added), with four elements per Philox
+    evaluation or one, and with the mask stored as bytes by the forward kernel and read by the backward one."""
     block_rows, block_cols, num_warps = fused_layers._tile(256)
     pointers = {
         "RESIDUAL": "*fp32", "BRANCH": "*bf16", "BRANCH_BIAS": "*fp32", "WEIGHT": "*fp32", "BIAS": "*fp32",
         "SEED": "*i64", "NEW_RESIDUAL": "*fp32", "NORMALIZED": "*bf16", "MEAN": "*fp32", "RSTD": "*fp32",
         "GRAD_NEW": "*fp32", "GRAD_NORMALIZED": "*bf16", "GRAD_RESIDUAL": "*fp32", "GRAD_BRANCH": "*bf16",
-        "GRAD_PARTS": "*fp32",
+        "GRAD_PARTS": "*fp32", "KEEP": "*i8",
     }  # fmt: skip
-    for quads in (True, False):
-        way = "4 per Philox" if quads else "1 per Philox"
+    for quads, stored in ((True, False), (False, False), (True, True)):
+        way = "mask stored" if stored else "4 per Philox" if quads else "1 per Philox"
         for kernel in (fused_layers._residual_layer_norm_forward, fused_layers._residual_layer_norm_backward):
             constants = dict(
-                DROPOUT_P=0.1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=quads, HAS_BRANCH_BIAS=True
-            )
+                DROPOUT_P=0.1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=quads, HAS_BRANCH_BIAS=True,
+                MASK_STORED=stored,
+            )  # fmt: skip
             types = {name: kind for name, kind in pointers.items() if name in kernel.arg_names} | {"eps": "fp32"}
             multiples = [*(name for name in types if name.isupper()), "n_rows", "n_cols", "offset"]  # 7680, 256, 0
             compiled = build(kernel, constants, types, multiples, num_warps, 3, arch)

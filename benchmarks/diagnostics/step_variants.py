@@ -62,7 +62,8 @@ autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `
 linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
 (`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
 other way); every residual sum with its dropout and the LayerNorm after it as the package's Triton kernel each
-way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
+way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
+forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
 (`blas-no-workspace`, environment variables set before the run starts); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
@@ -102,7 +103,8 @@ from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = {
     "as-is": {},
-    # "fused_attention", "layers_knowgpt", "multi_tensor_adamw": settings of those modules, which they read at each launch or call
+    # "fused_attention", "fused_layers", "layers_knowgpt", "multi_tensor_adamw": settings of those modules, which they
+    # read at each launch or call
     "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
     "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
     "splits2": {"fused_attention": {"DEFAULT_SPLITS": 2}},
@@ -142,6 +144,7 @@ VARIANTS = {
     "fp32-weight-gradients": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": True}},
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
+    "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
@@ -177,7 +180,7 @@ def write_inductor_counters(output_dir: Path) -> None:
 def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt import layers_knowgpt
     from hf_knowgpt.commands import cli, train
-    from hf_knowgpt.kernels import fused_attention, multi_tensor_adamw
+    from hf_knowgpt.kernels import fused_attention, fused_layers, multi_tensor_adamw
     from hf_knowgpt.training import trainer
     from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options
 
@@ -190,12 +193,15 @@ def run_one(variant: str, train_args: list[str]) -> None:
 
         for name, value in settings["dynamo"].items():
             setattr(torch._dynamo.config, name, value)
-    for name, value in settings.get("fused_attention", {}).items():
-        setattr(fused_attention, name, value)
-    for name, value in settings.get("layers_knowgpt", {}).items():
-        setattr(layers_knowgpt, name, value)
-    for name, value in settings.get("multi_tensor_adamw", {}).items():
-        setattr(multi_tensor_adamw, name, value)
+    modules = {
+        "fused_attention": fused_attention,
+        "fused_layers": fused_layers,
+        "layers_knowgpt": layers_knowgpt,
+        "multi_tensor_adamw": multi_tensor_adamw,
+    }
+    for module_name, module in modules.items():
+        for name, value in settings.get(module_name, {}).items():
+            setattr(module, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
     GraphedStepper.BUCKET = settings.get("bucket", GraphedStepper.BUCKET)
     if settings.get("each_step_alone"):

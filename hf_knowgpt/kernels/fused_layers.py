@@ -8,11 +8,12 @@ way over the (tokens, 4·n_embd) ones. Here each is one kernel forward and one b
 - `fused_residual_layer_norm(residual, branch, weight, bias, eps, dropout_p, training)` gives
   `new = residual + dropout(branch)` and `layer_norm(new)` in one pass over the rows (statistics in fp32),
   and in the backward pass the gradients of residual, branch, weight and bias in one more (the gradient of
-  `new` arrives from both outputs). The dropout mask is never stored: both kernels draw it from the call's
-  seed (element n = offset + i of the call keeps its value when uniform n is at least dropout_p, uniform n
-  being one of the four outputs Philox gives at counter n // 4, in `fused_attention._four_uniforms`'s layout,
-  so each evaluation serves four adjacent elements), and only the seed and offset are kept for backward. `normalized_dtype` writes the
-  LayerNorm's output in the dtype the next layer takes (bf16 under autocast) instead of casting it after.
+  `new` arrives from both outputs). The dropout mask is not stored (unless `RESIDUAL_MASK_STORED`): both
+  kernels draw it from the call's seed (element n = offset + i of the call keeps its value when uniform n is
+  at least dropout_p, uniform n being one of the four outputs Philox gives at counter n // 4, in
+  `fused_attention._four_uniforms`'s layout, so each evaluation serves four adjacent elements), and only the
+  seed and offset are kept for backward. `normalized_dtype` writes the LayerNorm's output in the dtype the
+  next layer takes (bf16 under autocast) instead of casting it after.
 - `fused_bias_gelu(x, bias)` gives `gelu(x + bias)` (the exact erf GELU, torch's default) and in the
   backward pass the gradients of x and bias (the bias's summed in fp32 inside the kernel).
 
@@ -45,6 +46,11 @@ MAX_WIDTH = 1024
 TILE_ELEMENTS = 2048
 # Programs per multiprocessor of the backward kernels, which loop over tiles to sum over rows.
 PROGRAMS_PER_SM = 4
+# The residual kernels' dropout mask written by the forward kernel as one byte per element and read by the backward
+# kernel (True), or drawn again there from the seed (False). Inductor's composition keeps its mask as bytes; whether
+# the Philox draws are what makes this backward kernel slower than inductor's (about 30 against 12 µs at the
+# handout's 7680 × 256, H200) is what the switch is for. Off until timed (benchmarks/bench_fused_layers.py).
+RESIDUAL_MASK_STORED = False
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -141,20 +147,22 @@ if triton is not None:
 
     @triton.jit
     def _residual_layer_norm_forward(
-        RESIDUAL, BRANCH, BRANCH_BIAS, WEIGHT, BIAS, SEED, NEW_RESIDUAL, NORMALIZED, MEAN, RSTD,
+        RESIDUAL, BRANCH, BRANCH_BIAS, WEIGHT, BIAS, SEED, NEW_RESIDUAL, NORMALIZED, MEAN, RSTD, KEEP,
         n_rows, n_cols, offset, eps,
         DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
-        HAS_BRANCH_BIAS: tl.constexpr,
+        HAS_BRANCH_BIAS: tl.constexpr, MASK_STORED: tl.constexpr,
     ):  # fmt: skip
         """One tile of rows: new = residual + dropout(branch + branch's bias), rounded to its dtype; then its
         LayerNorm from fp32 statistics of the rounded rows (what the backward kernel reads back), whose mean and
-        1/σ are kept for the backward pass."""
+        1/σ are kept for the backward pass; with MASK_STORED the dropout mask too, a byte per element, in KEEP."""
         rows, cols, inside, elements = _tile_offsets(tl.program_id(0), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
         branch = tl.load(BRANCH + elements, mask=inside, other=0.0).to(tl.float32)
         if HAS_BRANCH_BIAS:
             branch += tl.load(BRANCH_BIAS + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
         if DROPOUT_P > 0:
             keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
+            if MASK_STORED:
+                tl.store(KEEP + elements, keep.to(tl.int8), mask=inside)
             branch = _dropped(branch, keep, DROPOUT_P)
         residual = tl.load(RESIDUAL + elements, mask=inside, other=0.0).to(tl.float32)
         new = (residual + branch).to(NEW_RESIDUAL.dtype.element_ty)
@@ -172,14 +180,14 @@ if triton is not None:
 
     @triton.jit
     def _residual_layer_norm_backward(
-        GRAD_NEW, GRAD_NORMALIZED, NEW_RESIDUAL, WEIGHT, MEAN, RSTD, SEED,
+        GRAD_NEW, GRAD_NORMALIZED, NEW_RESIDUAL, WEIGHT, MEAN, RSTD, SEED, KEEP,
         GRAD_RESIDUAL, GRAD_BRANCH, GRAD_PARTS,
         n_rows, n_cols, offset,
         DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
-        HAS_BRANCH_BIAS: tl.constexpr,
+        HAS_BRANCH_BIAS: tl.constexpr, MASK_STORED: tl.constexpr,
     ):  # fmt: skip
         """Tiles program, program + programs, …: the gradient of `new` (its own plus LayerNorm's) is the
-        residual's, and through the regenerated mask the branch's; the program's sums over its rows of the
+        residual's, and through the mask (regenerated, or read from KEEP with MASK_STORED) the branch's; the program's sums over its rows of the
         weight's, the bias's and (HAS_BRANCH_BIAS) the branch's bias's gradients go to row `program` of the
         partial sums GRAD_PARTS[0], [1] and [2]."""
         program, programs = tl.program_id(0), tl.num_programs(0)
@@ -204,7 +212,10 @@ if triton is not None:
             tl.store(GRAD_RESIDUAL + elements, grad_new.to(GRAD_RESIDUAL.dtype.element_ty), mask=inside)
             grad_branch = grad_new
             if DROPOUT_P > 0:
-                keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
+                if MASK_STORED:
+                    keep = tl.load(KEEP + elements, mask=inside, other=0) != 0
+                else:
+                    keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
                 grad_branch = _dropped(grad_new, keep, DROPOUT_P)
             tl.store(GRAD_BRANCH + elements, grad_branch.to(GRAD_BRANCH.dtype.element_ty), mask=inside)
             grad_weight += tl.sum(grad_normalized * normalized, 0)
@@ -283,21 +294,26 @@ class _ResidualLayerNorm(torch.autograd.Function):
         # read only with a branch bias; else memory of its own: compiled code may copy an argument it takes for
         # written and rebind the tensor, which must then be no other argument's
         unused = torch.empty(1, device=residual.device)
+        mask_stored = RESIDUAL_MASK_STORED and dropout_p > 0
+        keep = torch.empty(residual.shape, dtype=torch.int8, device=residual.device) if mask_stored else None
         _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
             residual, branch, branch_bias.contiguous() if has_branch_bias else unused, weight.contiguous(),
             bias.contiguous(), seed, new_residual, normalized, mean, rstd,
+            keep if mask_stored else torch.empty(1, dtype=torch.int8, device=residual.device),
             n_rows, width, offset, eps,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            HAS_BRANCH_BIAS=has_branch_bias, num_warps=num_warps,
+            HAS_BRANCH_BIAS=has_branch_bias, MASK_STORED=mask_stored, num_warps=num_warps,
         )  # fmt: skip
-        ctx.save_for_backward(new_residual, weight, mean, rstd, seed)
+        ctx.save_for_backward(new_residual, weight, mean, rstd, seed, *([keep] if mask_stored else []))
         ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
         ctx.branch_bias_dtype = branch_bias.dtype if has_branch_bias else None
         return new_residual, normalized
 
     @staticmethod
     def backward(ctx, grad_new, grad_normalized):
-        new_residual, weight, mean, rstd, seed = ctx.saved_tensors
+        new_residual, weight, mean, rstd, seed, *stored = (
+            ctx.saved_tensors
+        )  # the mask, where the forward kernel wrote it
         dropout_p, offset, residual_dtype, branch_dtype, bias_dtype = ctx.options
         width = new_residual.shape[-1]
         n_rows = new_residual.numel() // width
@@ -308,12 +324,15 @@ class _ResidualLayerNorm(torch.autograd.Function):
         branch_bias_dtype = ctx.branch_bias_dtype
         sums = 2 if branch_bias_dtype is None else 3  # the weight's, the bias's, the branch's bias's
         parts = torch.empty(sums, programs, width, dtype=torch.float32, device=new_residual.device)
+        mask_stored = bool(stored)
+        keep = stored[0] if mask_stored else None
         _residual_layer_norm_backward[(programs,)](
             grad_new.contiguous(), grad_normalized.contiguous(), new_residual, weight.contiguous(), mean, rstd, seed,
+            keep if mask_stored else torch.empty(1, dtype=torch.int8, device=new_residual.device),
             grad_residual, grad_branch, parts,
             n_rows, width, offset,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            HAS_BRANCH_BIAS=branch_bias_dtype is not None, num_warps=num_warps,
+            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=mask_stored, num_warps=num_warps,
         )  # fmt: skip
         summed = parts.sum(1)  # one reduction for all of them
         grad_weight, grad_bias = summed[0].to(weight.dtype), summed[1].to(bias_dtype)
