@@ -16,7 +16,9 @@ output cast to bf16 under autocast as the next layer casts it: what a compiled t
 `--fused_layers`; `fused, normalized bf16` writes that output in bf16 itself, as the model asks under autocast;
 `+ branch bias` adds the branch's last layer's bias too (the compiled composition summing its gradient, the fused
 kernel adding the bias and summing its gradient itself), as a step with `--fused_layers` does; `mask stored` has the
-forward kernel write its dropout mask as bytes for the backward kernel to read (`fused_layers.RESIDUAL_MASK_STORED`).
+forward kernel write its dropout mask as bytes for the backward kernel to read (`fused_layers.RESIDUAL_MASK_STORED`),
+`column sums at end` has the backward kernel keep its column sums per row until its last tile
+(`fused_layers.COLUMN_SUMS_AT_END`), `both` both.
 Each time is the median of `--reps` forward + backward passes (`--passes forward`: forward passes alone,
 without gradients), timed with CUDA events:
 `graphed`, one CUDA graph of the pass replayed (GPU time alone, as the graphed training step runs it), and
@@ -155,15 +157,19 @@ def main():
             residual, branch, weight, bias, EPS, p, True, normalized_dtype=torch.bfloat16, branch_bias=branch_bias
         )
 
-    def mask_stored(function):
-        """`function` with its dropout mask written by the forward kernel and read by the backward one."""
+    def with_settings(function, **settings):
+        """`function` called with fused_layers' `settings` (RESIDUAL_MASK_STORED, COLUMN_SUMS_AT_END) in force,
+        each restored after the call; a captured graph keeps what its kernels were launched with."""
 
         def call(*inputs):
-            fused_layers.RESIDUAL_MASK_STORED = True
+            before = {name: getattr(fused_layers, name) for name in settings}
+            for name, value in settings.items():
+                setattr(fused_layers, name, value)
             try:
                 return function(*inputs)
             finally:
-                fused_layers.RESIDUAL_MASK_STORED = False
+                for name, value in before.items():
+                    setattr(fused_layers, name, value)
 
         return call
 
@@ -193,7 +199,9 @@ def main():
                     (residual_group, (rows, width), "fused, normalized bf16", timed(fused_layer_low, layer, False)),
                     (residual_group, (rows, width), "torch compiled + branch bias", timed(compiled_layer, biased, autocast)),
                     (residual_group, (rows, width), "fused, normalized bf16 + branch bias", timed(fused_layer_low_biased, biased, False)),
-                    (residual_group, (rows, width), "fused, normalized bf16 + branch bias, mask stored", timed(mask_stored(fused_layer_low_biased), biased, False)),
+                    (residual_group, (rows, width), "fused, normalized bf16 + branch bias, mask stored", timed(with_settings(fused_layer_low_biased, RESIDUAL_MASK_STORED=True), biased, False)),
+                    (residual_group, (rows, width), "fused, normalized bf16 + branch bias, column sums at end", timed(with_settings(fused_layer_low_biased, COLUMN_SUMS_AT_END=True), biased, False)),
+                    (residual_group, (rows, width), "fused, normalized bf16 + branch bias, both", timed(with_settings(fused_layer_low_biased, RESIDUAL_MASK_STORED=True, COLUMN_SUMS_AT_END=True), biased, False)),
                 ]  # fmt: skip
             if "gelu" in args.ops:
                 variants += [

@@ -112,12 +112,15 @@ def test_residual_layer_norm_mixed_dtypes_as_under_autocast():
 
 
 @needs_kernel
+@pytest.mark.parametrize("sums_at_end", [False, True], ids=["sums-per-tile", "sums-at-end"])
 @pytest.mark.parametrize("branch_dtype", [torch.float32, pytest.param(torch.bfloat16, id="bfloat16")])
 @pytest.mark.parametrize("shape", [(37, 96), (150, 256)], ids=str)
-def test_branch_bias_added_and_its_gradient_summed(shape, branch_dtype):
+def test_branch_bias_added_and_its_gradient_summed(shape, branch_dtype, sums_at_end, monkeypatch):
     """`branch_bias`: the branch is branch + bias (added in fp32 to the branch as it is) before dropout, and the
     bias's gradient, the column sums of the branch's, comes from the backward kernel; the other gradients are
-    those of the sum. Residual fp32 (as under autocast); 150 × 256 makes the backward programs loop."""
+    those of the sum. Residual fp32 (as under autocast); 150 × 256 makes the backward programs loop. The column
+    sums per tile or once at the end of a program's tiles (COLUMN_SUMS_AT_END) alike."""
+    monkeypatch.setattr(fused_layers, "COLUMN_SUMS_AT_END", sums_at_end)
     torch.manual_seed(0)
     dropout_p, width = 0.1, shape[-1]
     residual, branch, weight, bias = layer_inputs(shape, branch_dtype, residual_dtype=torch.float32)

@@ -85,7 +85,8 @@ def attention_builds(arch):
 def residual_layer_norm_builds(arch):
     """(name, compiled) of the residual + dropout + LayerNorm kernels forward and backward at 256 wide, as the model
     launches them under bf16 autocast (`fused_layers._tile`, the branch's bias added), with four elements per Philox
-    evaluation or one, and with the mask stored as bytes by the forward kernel and read by the backward one."""
+    evaluation or one, with the mask stored as bytes by the forward kernel and read by the backward one, and with the
+    backward kernel's column sums kept per row until its last tile."""
     block_rows, block_cols, num_warps = fused_layers._tile(256)
     pointers = {
         "RESIDUAL": "*fp32", "BRANCH": "*bf16", "BRANCH_BIAS": "*fp32", "WEIGHT": "*fp32", "BIAS": "*fp32",
@@ -93,13 +94,19 @@ def residual_layer_norm_builds(arch):
         "GRAD_NEW": "*fp32", "GRAD_NORMALIZED": "*bf16", "GRAD_RESIDUAL": "*fp32", "GRAD_BRANCH": "*bf16",
         "GRAD_PARTS": "*fp32", "KEEP": "*i8",
     }  # fmt: skip
-    for quads, stored in ((True, False), (False, False), (True, True)):
-        way = "mask stored" if stored else "4 per Philox" if quads else "1 per Philox"
+    ways = {  # name: (four elements per Philox evaluation, mask stored, column sums at the end)
+        "4 per Philox": (True, False, False), "1 per Philox": (False, False, False),
+        "mask stored": (True, True, False), "column sums at end": (True, False, True),
+    }  # fmt: skip
+    for way, (quads, stored, sums_at_end) in ways.items():
         for kernel in (fused_layers._residual_layer_norm_forward, fused_layers._residual_layer_norm_backward):
+            if sums_at_end and kernel is fused_layers._residual_layer_norm_forward:
+                continue  # the forward kernel sums no columns
             constants = dict(
                 DROPOUT_P=0.1, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=quads, HAS_BRANCH_BIAS=True,
-                MASK_STORED=stored,
+                MASK_STORED=stored, ACC_ROWS=block_rows if sums_at_end else 1,
             )  # fmt: skip
+            constants = {name: value for name, value in constants.items() if name in kernel.arg_names}
             types = {name: kind for name, kind in pointers.items() if name in kernel.arg_names} | {"eps": "fp32"}
             multiples = [*(name for name in types if name.isupper()), "n_rows", "n_cols", "offset"]  # 7680, 256, 0
             compiled = build(kernel, constants, types, multiples, num_warps, 3, arch)
@@ -126,9 +133,10 @@ def main():
         )
         print(rows[-1], flush=True)
     print(f"\nTriton {triton.__version__}, built for sm_{args.arch} (static counts, not speeds)")
-    print(f"{'kernel':<40}{'SASS instructions':>19}{'shared bytes':>14}{'wgmma':>7}{'async loads':>13}")
+    width = max(len("kernel"), *(len(row[0]) for row in rows)) + 2
+    print(f"{'kernel':<{width}}{'SASS instructions':>19}{'shared bytes':>14}{'wgmma':>7}{'async loads':>13}")
     for name, instructions, shared, wgmma, asynchronous in rows:
-        print(f"{name:<40}{instructions:>19}{shared:>14}{wgmma!s:>7}{asynchronous!s:>13}")
+        print(f"{name:<{width}}{instructions:>19}{shared:>14}{wgmma!s:>7}{asynchronous!s:>13}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ PROGRAMS_PER_SM = 4
 # the Philox draws are what makes this backward kernel slower than inductor's (about 30 against 12 µs at the
 # handout's 7680 × 256, H200) is what the switch is for. Off until timed (benchmarks/bench_fused_layers.py).
 RESIDUAL_MASK_STORED = False
+# The residual backward kernel's column sums (the LayerNorm's weight and bias gradients, the branch bias's) kept per
+# row of its tile in registers and summed over the rows once at the end (True), or summed over each tile's rows as it
+# goes (False: a reduction across the program's warps per tile and sum). Off until timed.
+COLUMN_SUMS_AT_END = False
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -179,23 +183,34 @@ if triton is not None:
         tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
     @triton.jit
+    def _folded(values, ACC_ROWS: tl.constexpr):
+        """A tile's (rows, columns) values as an accumulator of ACC_ROWS rows takes them: summed over the rows (1),
+        or as they are."""
+        if ACC_ROWS == 1:
+            folded = tl.sum(values, 0)[None, :]
+        else:
+            folded = values
+        return folded
+
+    @triton.jit
     def _residual_layer_norm_backward(
         GRAD_NEW, GRAD_NORMALIZED, NEW_RESIDUAL, WEIGHT, MEAN, RSTD, SEED, KEEP,
         GRAD_RESIDUAL, GRAD_BRANCH, GRAD_PARTS,
         n_rows, n_cols, offset,
         DROPOUT_P: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, QUADS: tl.constexpr,
-        HAS_BRANCH_BIAS: tl.constexpr, MASK_STORED: tl.constexpr,
+        HAS_BRANCH_BIAS: tl.constexpr, MASK_STORED: tl.constexpr, ACC_ROWS: tl.constexpr,
     ):  # fmt: skip
         """Tiles program, program + programs, …: the gradient of `new` (its own plus LayerNorm's) is the
-        residual's, and through the mask (regenerated, or read from KEEP with MASK_STORED) the branch's; the program's sums over its rows of the
-        weight's, the bias's and (HAS_BRANCH_BIAS) the branch's bias's gradients go to row `program` of the
-        partial sums GRAD_PARTS[0], [1] and [2]."""
+        residual's, and through the mask (regenerated, or read from KEEP with MASK_STORED) the branch's; the
+        program's sums over its rows of the weight's, the bias's and (HAS_BRANCH_BIAS) the branch's bias's
+        gradients go to row `program` of the partial sums GRAD_PARTS[0], [1] and [2]. They accumulate in ACC_ROWS
+        rows: BLOCK_ROWS (each tile's rows added as they are, summed once at the end) or 1 (summed per tile)."""
         program, programs = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_COLS)
         weight = tl.load(WEIGHT + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        grad_weight = tl.zeros((BLOCK_COLS,), tl.float32)
-        grad_bias = tl.zeros((BLOCK_COLS,), tl.float32)
-        grad_branch_bias = tl.zeros((BLOCK_COLS,), tl.float32)
+        grad_weight = tl.zeros((ACC_ROWS, BLOCK_COLS), tl.float32)
+        grad_bias = tl.zeros((ACC_ROWS, BLOCK_COLS), tl.float32)
+        grad_branch_bias = tl.zeros((ACC_ROWS, BLOCK_COLS), tl.float32)
         for tile in range(program, tl.cdiv(n_rows, BLOCK_ROWS), programs):
             rows, cols, inside, elements = _tile_offsets(tile, n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
             new = tl.load(NEW_RESIDUAL + elements, mask=inside, other=0.0).to(tl.float32)
@@ -218,15 +233,15 @@ if triton is not None:
                     keep = _keep_in_tile(SEED, rows, n_cols, offset, DROPOUT_P, BLOCK_COLS, QUADS)
                 grad_branch = _dropped(grad_new, keep, DROPOUT_P)
             tl.store(GRAD_BRANCH + elements, grad_branch.to(GRAD_BRANCH.dtype.element_ty), mask=inside)
-            grad_weight += tl.sum(grad_normalized * normalized, 0)
-            grad_bias += tl.sum(grad_normalized, 0)
+            grad_weight += _folded(grad_normalized * normalized, ACC_ROWS)
+            grad_bias += _folded(grad_normalized, ACC_ROWS)
             if HAS_BRANCH_BIAS:
-                grad_branch_bias += tl.sum(tl.where(inside, grad_branch, 0.0), 0)
+                grad_branch_bias += _folded(tl.where(inside, grad_branch, 0.0), ACC_ROWS)
         row = program * n_cols + cols
-        tl.store(GRAD_PARTS + row, grad_weight, mask=cols < n_cols)
-        tl.store(GRAD_PARTS + programs * n_cols + row, grad_bias, mask=cols < n_cols)
+        tl.store(GRAD_PARTS + row, tl.sum(grad_weight, 0), mask=cols < n_cols)
+        tl.store(GRAD_PARTS + programs * n_cols + row, tl.sum(grad_bias, 0), mask=cols < n_cols)
         if HAS_BRANCH_BIAS:
-            tl.store(GRAD_PARTS + 2 * programs * n_cols + row, grad_branch_bias, mask=cols < n_cols)
+            tl.store(GRAD_PARTS + 2 * programs * n_cols + row, tl.sum(grad_branch_bias, 0), mask=cols < n_cols)
 
     @triton.jit
     def _bias_gelu_forward(
@@ -307,6 +322,7 @@ class _ResidualLayerNorm(torch.autograd.Function):
         ctx.save_for_backward(new_residual, weight, mean, rstd, seed, *([keep] if mask_stored else []))
         ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
         ctx.branch_bias_dtype = branch_bias.dtype if has_branch_bias else None
+        ctx.column_sums_at_end = COLUMN_SUMS_AT_END  # the call's settings are those of its forward pass
         return new_residual, normalized
 
     @staticmethod
@@ -332,7 +348,8 @@ class _ResidualLayerNorm(torch.autograd.Function):
             grad_residual, grad_branch, parts,
             n_rows, width, offset,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=mask_stored, num_warps=num_warps,
+            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=mask_stored,
+            ACC_ROWS=block_rows if ctx.column_sums_at_end else 1, num_warps=num_warps,
         )  # fmt: skip
         summed = parts.sum(1)  # one reduction for all of them
         grad_weight, grad_bias = summed[0].to(weight.dtype), summed[1].to(bias_dtype)
