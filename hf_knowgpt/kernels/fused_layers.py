@@ -327,9 +327,8 @@ class _ResidualLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_new, grad_normalized):
-        new_residual, weight, mean, rstd, seed, *stored = (
-            ctx.saved_tensors
-        )  # the mask, where the forward kernel wrote it
+        # The mask follows the other saved tensors where the forward kernel wrote it.
+        new_residual, weight, mean, rstd, seed, *stored = ctx.saved_tensors
         dropout_p, offset, residual_dtype, branch_dtype, bias_dtype = ctx.options
         width = new_residual.shape[-1]
         n_rows = new_residual.numel() // width
@@ -340,15 +339,13 @@ class _ResidualLayerNorm(torch.autograd.Function):
         branch_bias_dtype = ctx.branch_bias_dtype
         sums = 2 if branch_bias_dtype is None else 3  # the weight's, the bias's, the branch's bias's
         parts = torch.empty(sums, programs, width, dtype=torch.float32, device=new_residual.device)
-        mask_stored = bool(stored)
-        keep = stored[0] if mask_stored else None
         _residual_layer_norm_backward[(programs,)](
             grad_new.contiguous(), grad_normalized.contiguous(), new_residual, weight.contiguous(), mean, rstd, seed,
-            keep if mask_stored else torch.empty(1, dtype=torch.int8, device=new_residual.device),
+            stored[0] if stored else torch.empty(1, dtype=torch.int8, device=new_residual.device),
             grad_residual, grad_branch, parts,
             n_rows, width, offset,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=mask_stored,
+            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=bool(stored),
             ACC_ROWS=block_rows if ctx.column_sums_at_end else 1, num_warps=num_warps,
         )  # fmt: skip
         summed = parts.sum(1)  # one reduction for all of them
