@@ -310,11 +310,12 @@ class _ResidualLayerNorm(torch.autograd.Function):
         # written and rebind the tensor, which must then be no other argument's
         unused = torch.empty(1, device=residual.device)
         mask_stored = RESIDUAL_MASK_STORED and dropout_p > 0
-        keep = torch.empty(residual.shape, dtype=torch.int8, device=residual.device) if mask_stored else None
+        # the mask's bytes where stored; else, like `unused`, a buffer of its own that is never read
+        keep = torch.empty(residual.shape if mask_stored else (1,), dtype=torch.int8, device=residual.device)
         _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
             residual, branch, branch_bias.contiguous() if has_branch_bias else unused, weight.contiguous(),
             bias.contiguous(), seed, new_residual, normalized, mean, rstd,
-            keep if mask_stored else torch.empty(1, dtype=torch.int8, device=residual.device),
+            keep,
             n_rows, width, offset, eps,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
             HAS_BRANCH_BIAS=has_branch_bias, MASK_STORED=mask_stored, num_warps=num_warps,
