@@ -47,13 +47,15 @@ TILE_ELEMENTS = 2048
 # Programs per multiprocessor of the backward kernels, which loop over tiles to sum over rows.
 PROGRAMS_PER_SM = 4
 # The residual kernels' dropout mask written by the forward kernel as one byte per element and read by the backward
-# kernel (True), or drawn again there from the seed (False). Inductor's composition keeps its mask as bytes; whether
-# the Philox draws are what makes this backward kernel slower than inductor's (about 30 against 12 µs at the
-# handout's 7680 × 256, H200) is what the switch is for. Off until timed (benchmarks/bench_fused_layers.py).
+# kernel (True), or drawn again there from the seed (False), as a way to find why this backward kernel is slower than
+# inductor's (about 30 against 12 µs at the handout's 7680 × 256, H200). Forward + backward 0.068 against 0.071 ms
+# drawing it, inductor's composition 0.047 (H200, benchmarks/RESULTS.md): off.
 RESIDUAL_MASK_STORED = False
 # The residual backward kernel's column sums (the LayerNorm's weight and bias gradients, the branch bias's) kept per
 # row of its tile in registers and summed over the rows once at the end (True), or summed over each tile's rows as it
-# goes (False: a reduction across the program's warps per tile and sum). Off until timed.
+# goes (False: a reduction across the program's warps per tile and sum). Forward + backward 0.051 against 0.071 ms,
+# still slower than inductor's composition at 0.047 (H200, benchmarks/RESULTS.md), so `--fused_layers` stays off in
+# compiled steps; off until timed through a whole command.
 COLUMN_SUMS_AT_END = False
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
