@@ -36,7 +36,6 @@ from hf_knowgpt.training.data import (
     packed_token_index,
 )
 from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options, resolve_training_path
-from hf_knowgpt.training.packed_steps import ALIGNMENT, StepRecord
 from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
 
 BLOCK = 64
@@ -260,47 +259,6 @@ def test_packed_steps_made_ready_together_are_each_steps_own(pretraining_data, t
             made |= {"capacity": capacity, "token_index": stepper.token_indices[capacity]}
             for name, value in wanted.items():
                 assert torch.equal(torch.as_tensor(made[name]), torch.as_tensor(value)), (planned, step, name)
-
-
-@pytest.mark.parametrize("rows, columns", [(1, 1), (3, 5), (128, 7)])
-def test_step_record_holds_each_input_apart_and_aligned(rows, columns):
-    """A packed step's record (`packed_steps.StepRecord`): every input starts on a multiple of ALIGNMENT bytes
-    (compiled code copies an input it does not find 16-byte aligned), none overlaps another, and what is written
-    through the views of a batch of records is what the views of one record copied byte by byte give back, up to
-    `size(tokens)`."""
-    record = StepRecord(rows, columns)
-    tokens = 9
-    records = torch.zeros(2, record.size(tokens), dtype=torch.uint8)
-    views = record.views(records)
-    assert [tuple(view.shape) for view in views.values()] == [
-        (2, rows),
-        (2, rows),
-        (2, rows, columns),
-        (2,),
-        (2, tokens),
-    ]
-    spans = sorted(
-        (view.storage_offset() * view.element_size(), (view.storage_offset() + view[0].numel()) * view.element_size())
-        for view in views.values()
-    )
-    assert all(begin % ALIGNMENT == 0 for begin, _ in spans)
-    assert all(end <= next_begin for (_, end), (next_begin, _) in zip(spans, spans[1:]))
-    written = {
-        "indices": torch.randint(0, 1000, (2, rows)),
-        "valid": torch.rand(2, rows) < 0.5,
-        "uniforms": torch.rand(2, rows, columns, dtype=torch.float64),
-        "trained_targets": torch.tensor([3.0, 7.0]),
-        "token_index": torch.randint(0, 1000, (2, tokens)),
-    }
-    for name, value in written.items():
-        views[name].copy_(value)
-    device_record = torch.zeros(record.size(2 * tokens), dtype=torch.uint8)
-    device_record[: record.size(tokens)].copy_(records[1])
-    read = record.views(device_record)
-    for name, value in written.items():
-        kept = read[name][:tokens] if name == "token_index" else read[name]
-        assert torch.equal(kept, value[1]), name
-    assert read["trained_targets"].dim() == 0
 
 
 def _graphed_bodies_in_one_of_two_processes(rank, directory, steps, gradient_reduce_dtype="fp32"):
