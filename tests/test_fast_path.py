@@ -233,7 +233,8 @@ def test_packed_steps_made_ready_together_are_each_steps_own(pretraining_data, t
     stepper = GraphedStepper(trainer, packed=True, bucket=8)
     rows = stepper.rows = -(-trainer.args.batch_size // world)  # as `world` processes would have it
     stepper.world, stepper.rank = world, rank
-    stepper.allocate_step_inputs()
+    stepper.indices, stepper.valid = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.bool)
+    stepper.uniforms = torch.zeros(rows, data.uniform_columns, dtype=torch.float64)
     steps, generator, expected = 2 * trainer.steps_per_epoch + 1, torch.Generator(), []
     for step in range(steps):
         indices = trainer.batch_indices(step)

@@ -19,7 +19,6 @@ from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.data import PretrainingData, packed_size, packed_token_index
 from hf_knowgpt.training.fast_path import GraphedStepper
-from hf_knowgpt.training.packed_steps import plan_packed_steps
 from hf_knowgpt.training.trainer import KnowGPTTrainer, make_accelerator
 from hf_knowgpt.training.workflows import corpus_tokenizer
 
@@ -54,35 +53,6 @@ def prepare_each_step_alone(stepper, global_step: int, planned=None):
         (stepper.trained_targets, trained_targets.float()),
     ):
         target.copy_(source.pin_memory() if pinned else source, non_blocking=pinned)
-    return capacity
-
-
-def prepare_inputs_copied_each(stepper, global_step: int, planned=None):
-    """`GraphedStepper._prepare_packed` as it was before a step's inputs went in one record: steps made ready
-    together, then five copies to the device per step, one per input (the baseline of `step_variants.py
-    --variants inputs-copied-each`)."""
-    plan = stepper.plan
-    if plan is None or not plan.first <= global_step < plan.first + len(plan.capacities):
-        plan = stepper.plan = plan_packed_steps(
-            stepper.trainer, stepper.generator, global_step, planned or stepper.PLANNED_STEPS, rows=stepper.rows,
-            seq_len=stepper.seq_len, bucket=stepper.bucket, world=stepper.world, rank=stepper.rank,
-        )  # fmt: skip
-        if stepper.device.type == "cuda":
-            for name in ("indices", "valid", "uniforms", "token_index", "trained_targets"):
-                setattr(plan, name, getattr(plan, name).pin_memory())
-            plan.pinned = True
-    step = global_step - plan.first
-    capacity = plan.capacities[step]
-    if capacity not in stepper.token_indices:
-        stepper.token_indices[capacity] = stepper.token_index[:capacity]
-    for target, source in (
-        (stepper.indices, plan.indices[step]),
-        (stepper.valid, plan.valid[step]),
-        (stepper.uniforms, plan.uniforms[step]),
-        (stepper.token_indices[capacity], plan.token_index[plan.token_offsets[step] : plan.token_offsets[step + 1]]),
-        (stepper.trained_targets, plan.trained_targets[step]),
-    ):
-        target.copy_(source, non_blocking=plan.pinned)
     return capacity
 
 

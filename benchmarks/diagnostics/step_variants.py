@@ -28,9 +28,7 @@ before every graph's capture, not only the first's, each restored afterwards (`w
 state is restored, with the device synchronized and the memory caches emptied (torch.cuda.graph's way), instead
 of after its first step run uncaptured as the step it is (`restored-later-graphs`,
 `GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP`); packed steps made ready on the host each alone instead of 64
-at a time (`steps-made-ready-each-alone`, `packed_steps.plan_packed_steps`); a packed step's inputs sent to the
-device by five copies, one per input, instead of one copy of their record (`inputs-copied-each`,
-`packed_steps.StepRecord`); the update by torch, the clipping compiled with the step and then fused
+at a time (`steps-made-ready-each-alone`, `packed_steps.plan_packed_steps`); the update by torch, the clipping compiled with the step and then fused
 AdamW, instead of the multi-tensor kernels (`torch-adamw`, `GraphedStepper.MULTI_TENSOR_UPDATE`; the `eager-clip`
 variants mean something only beside it, the clipping being the kernels' own otherwise); inductor options added
 to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no-shape-pad` pads only the matrix products inductor judges
@@ -163,8 +161,6 @@ VARIANTS = {
     "torch-adamw": {"multi_tensor_update": False},
     # packed steps made ready on the host each alone, as before packed_steps.plan_packed_steps
     "steps-made-ready-each-alone": {"each_step_alone": True},
-    # a packed step's inputs sent by five copies, one each, instead of one copy of their record (packed_steps.StepRecord)
-    "inputs-copied-each": {"inputs_copied_each": True},
 }
 
 
@@ -214,10 +210,6 @@ def run_one(variant: str, train_args: list[str]) -> None:
         from diagnostics.host_step_plan import prepare_each_step_alone
 
         GraphedStepper._prepare_packed = prepare_each_step_alone
-    if settings.get("inputs_copied_each"):
-        from diagnostics.host_step_plan import prepare_inputs_copied_each
-
-        GraphedStepper._prepare_packed = prepare_inputs_copied_each
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     GraphedStepper.MULTI_TENSOR_UPDATE = settings.get("multi_tensor_update", GraphedStepper.MULTI_TENSOR_UPDATE)
     GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP = settings.get(

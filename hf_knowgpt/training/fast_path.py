@@ -37,7 +37,7 @@ from .compile_cache import (
     wait_for_compiler_keys,
 )
 from .data import TrainingBatch
-from .packed_steps import StepRecord, plan_packed_steps
+from .packed_steps import plan_packed_steps
 
 
 def known_inductor_options(options: dict) -> dict:
@@ -312,7 +312,11 @@ class GraphedStepper:
         # Inputs of packed graphs, written before each replay.
         self.generator = torch.Generator()
         self.plan = None  # the steps made ready ahead (`plan_packed_steps`)
-        self.allocate_step_inputs()
+        self.indices = torch.zeros(self.rows, dtype=torch.long, device=device)
+        self.valid = torch.zeros(self.rows, dtype=torch.bool, device=device)
+        self.uniforms = torch.zeros(self.rows, data.uniform_columns, dtype=torch.float64, device=device)
+        self.trained_targets = torch.ones((), dtype=torch.float32, device=device)  # the global batch's
+        self.token_indices = {}  # capacity -> device buffer
         self.graphs = {}  # capacity (None when dense) -> CUDA graph
         self.pool = None
         self.capture_stream = None  # later graphs' (`LATER_GRAPHS_AFTER_THEIR_STEP`)
@@ -444,37 +448,29 @@ class GraphedStepper:
         torch._foreach_copy_(gradients, parts)
 
     # -- host side of packed steps ------------------------------------------------------------------------------
-    def allocate_step_inputs(self):
-        """The device's record of a packed step's inputs (`packed_steps.StepRecord`, for `rows` rows and up to the
-        whole rows × seq_len grid of tokens) and the views of it that the graphs read."""
-        self.step_record = StepRecord(self.rows, self.trainer.data.uniform_columns)
-        self.step_inputs = torch.zeros(
-            self.step_record.size(self.rows * self.seq_len), dtype=torch.uint8, device=self.device
-        )
-        views = self.step_record.views(self.step_inputs)
-        self.indices, self.valid, self.uniforms = views["indices"], views["valid"], views["uniforms"]
-        self.trained_targets = views["trained_targets"]  # the global batch's
-        self.trained_targets.fill_(1)
-        self.token_index = views["token_index"]
-        self.token_indices = {}  # capacity -> the token index's first `capacity` positions, which its graph reads
-
     def _prepare_packed(self, global_step: int, planned: int | None = None):
-        """Send this step's indices, uniforms, token index and trained-target count to the device, one copy of
-        its record; return the graph's capacity (tokens). Steps are made ready `planned` (PLANNED_STEPS) at a time,
-        ahead."""
+        """Send this step's indices, uniforms, token index and trained-target count to the device; return
+        the graph's capacity (tokens). Steps are made ready `planned` (PLANNED_STEPS) at a time, ahead."""
         plan = self.plan
         if plan is None or not plan.first <= global_step < plan.first + len(plan.capacities):
             plan = self.plan = plan_packed_steps(
                 self.trainer, self.generator, global_step, planned or self.PLANNED_STEPS, rows=self.rows,
                 seq_len=self.seq_len, bucket=self.bucket, world=self.world, rank=self.rank,
-                record=self.step_record, pin=self.device.type == "cuda",
+                pin=self.device.type == "cuda",
             )  # fmt: skip
         step = global_step - plan.first
         capacity = plan.capacities[step]
         if capacity not in self.token_indices:
-            self.token_indices[capacity] = self.token_index[:capacity]
-        size = self.step_record.size(capacity)
-        self.step_inputs[:size].copy_(plan.records[step, :size], non_blocking=plan.pinned)
+            self.token_indices[capacity] = torch.zeros(capacity, dtype=torch.long, device=self.device)
+        token_index = plan.token_index[plan.token_offsets[step] : plan.token_offsets[step + 1]]
+        for target, source in (
+            (self.indices, plan.indices[step]),
+            (self.valid, plan.valid[step]),
+            (self.uniforms, plan.uniforms[step]),
+            (self.token_indices[capacity], token_index),
+            (self.trained_targets, plan.trained_targets[step]),
+        ):
+            target.copy_(source, non_blocking=plan.pinned)
         return capacity
 
     # -- capture and replay ----------------------------------------------------------------------------------------

@@ -6,13 +6,9 @@ bucket (the largest of the processes' slices of the batch), its token index and 
 count. Step by step that was about a hundred small tensor operations, 0.30 ms of a handout step's 1.5 ms on the
 device (an H200's host); `plan_packed_steps` makes 64 steps ready in one pass, 0.06-0.08 ms a step
 (benchmarks/diagnostics/host_step_plan.py), so that a shorter step on the device would not wait on the host.
-
-The inputs of a step lie in one byte record (`StepRecord`), sent by one copy: each copy to the device is queued
-between two replays and holds up the next, so five of them cost the device more than one.
 """
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -26,51 +22,6 @@ def tensor_split_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     size, larger = divmod(count, parts)
     begins = [part * size + min(part, larger) for part in range(parts + 1)]
     return list(zip(begins[:-1], begins[1:]))
-
-
-# Bytes between the starts of a record's inputs: compiled code takes its inputs as 16-byte aligned (else it copies them).
-ALIGNMENT = 64
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """Where a packed step's inputs lie in one byte record: its example indices, which rows are real, their
-    uniforms and the global batch's trained-target count, then its token index to the record's end (`size(c)`
-    bytes hold the inputs of a step of c tokens)."""
-
-    rows: int
-    uniform_columns: int
-
-    def fields(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-        return [
-            ("indices", torch.long, (self.rows,)),
-            ("valid", torch.bool, (self.rows,)),
-            ("uniforms", torch.float64, (self.rows, self.uniform_columns)),
-            ("trained_targets", torch.float32, ()),
-        ]
-
-    def offsets(self) -> dict[str, int]:
-        """Each input's first byte, the token index's last."""
-        offsets, end = {}, 0
-        for name, dtype, shape in self.fields():
-            offsets[name] = end
-            end += -(-math.prod(shape) * dtype.itemsize // ALIGNMENT) * ALIGNMENT
-        return offsets | {"token_index": end}
-
-    def size(self, tokens: int) -> int:
-        """The bytes of a record up to the end of a token index of `tokens` positions."""
-        return self.offsets()["token_index"] + tokens * torch.long.itemsize
-
-    def views(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each input as a view of `records` (uint8, a record's bytes in its last dimension): (..., *shape) each,
-        the token index (..., as many positions as the records hold)."""
-        views, offsets, leading = {}, self.offsets(), records.shape[:-1]
-        tokens = (records.shape[-1] - offsets["token_index"]) // torch.long.itemsize
-        for name, dtype, shape in [*self.fields(), ("token_index", torch.long, (tokens,))]:
-            begin = offsets[name]
-            part = records[..., begin : begin + math.prod(shape) * dtype.itemsize]
-            views[name] = part.view(dtype).view((*leading, *shape))
-        return views
 
 
 @dataclass
@@ -87,33 +38,24 @@ class PackedSteps:
     token_index: torch.Tensor  # every step's, one after another
     token_offsets: list[int]
     trained_targets: torch.Tensor  # (S,) the global batch's
-    records: torch.Tensor | None = None  # (S, record bytes) uint8: each step's inputs as `StepRecord` lays them out
     pinned: bool = False
 
-    def write_records(self, record: StepRecord, pin: bool = False) -> "PackedSteps":
-        """Each step's inputs in one record of `record`'s layout, in page-locked memory where `pin` (then the copies
-        to the device are asynchronous; torch keeps a freed block until the copies made from it are done)."""
-        # bytes between inputs and past a step's tokens are never read, so not written
-        records = torch.empty(
-            len(self.capacities), record.size(max(self.capacities)), dtype=torch.uint8, pin_memory=pin
-        )
-        views = record.views(records)
-        for name in ("indices", "valid", "uniforms", "trained_targets"):
-            views[name].copy_(getattr(self, name))
-        for step, (begin, end) in enumerate(itertools.pairwise(self.token_offsets)):
-            views["token_index"][step, : end - begin] = self.token_index[begin:end]
-        self.records, self.pinned = records, pin
+    def pin(self) -> "PackedSteps":
+        """In page-locked memory, so that the copies to the device are asynchronous; torch keeps a freed block
+        until the copies made from it are done."""
+        for name in ("indices", "valid", "uniforms", "token_index", "trained_targets"):
+            setattr(self, name, getattr(self, name).pin_memory())
+        self.pinned = True
         return self
 
 
 def plan_packed_steps(
     trainer, generator: torch.Generator, first_step: int, count: int, *, rows: int, seq_len: int, bucket: int,
-    world: int = 1, rank: int = 0, record: StepRecord | None = None, pin: bool = False,
+    world: int = 1, rank: int = 0, pin: bool = False,
 ) -> PackedSteps:  # fmt: skip
     """Steps first_step .. first_step + count - 1 of `trainer`, each as the eager path makes it (its examples,
     its uniforms from its own seed), their lengths and token indices in one pass; each process's slice of a
-    step padded to `rows`, its tokens rounded up to a multiple of `bucket` within the `rows` × `seq_len` grid;
-    with `record`, also written in records of its layout (`PackedSteps.write_records`)."""
+    step padded to `rows`, its tokens rounded up to a multiple of `bucket` within the `rows` × `seq_len` grid."""
     data, seed = trainer.data, trainer.args.seed
     step_indices, step_uniforms = [], []
     for global_step in range(first_step, first_step + count):
@@ -150,7 +92,7 @@ def plan_packed_steps(
         token_offsets=[0, *itertools.accumulate(capacities)],
         trained_targets=torch.tensor(trained_targets, dtype=torch.float32),
     )
-    return plan.write_records(record, pin) if record is not None else plan
+    return plan.pin() if pin else plan
 
 
-__all__ = ["ALIGNMENT", "PackedSteps", "StepRecord", "plan_packed_steps", "tensor_split_bounds"]
+__all__ = ["PackedSteps", "plan_packed_steps", "tensor_split_bounds"]
