@@ -64,7 +64,8 @@ linear layers' weight gradients as products written in fp32 instead of bf16 prod
 other way); every residual sum with its dropout and the LayerNorm after it as the package's Triton kernel each
 way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
 forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`), its backward
-kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
+kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
+tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
 (`blas-no-workspace`, environment variables set before the run starts); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
@@ -147,6 +148,12 @@ VARIANTS = {
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},
+    # with the tiles and backward programs that ran the residual kernels fastest (bench_fused_layers.py --tile_elements
+    # 1024 --programs_per_sm 2: 0.043 ms against inductor's 0.048, H200, 2026-12-05)
+    "fused-layers-sums-at-end-1024-2": {
+        "flags": ["--fused_layers"],
+        "fused_layers": {"COLUMN_SUMS_AT_END": True, "TILE_ELEMENTS": 1024, "PROGRAMS_PER_SM": 2},
+    },
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
