@@ -178,6 +178,20 @@ def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run
     assert seen["argv"] == ["train.py", "--recipe", "quickstart", "--torch_compile"]
 
 
+def test_step_variants_module_settings_name_what_the_modules_have():
+    """A variant sets module settings by name (setattr), so a misspelt one would be a new attribute that nothing
+    reads, and the variant would be timed as the code is: every name must be one the module already has."""
+    named = 0
+    for variant, settings in step_variants.VARIANTS.items():
+        for module_name, module in step_variants.setting_modules().items():
+            for name in settings.get(module_name, {}):
+                assert hasattr(module, name), (variant, module_name, name)
+                named += 1
+    assert named >= 3 and step_variants.VARIANTS["fused-layers-sums-at-end-1024-2"]["fused_layers"] == {
+        "COLUMN_SUMS_AT_END": True, "TILE_ELEMENTS": 1024, "PROGRAMS_PER_SM": 2
+    }  # fmt: skip
+
+
 def test_step_variants_can_leave_the_compiler_keys_to_the_loading(monkeypatch):
     """`compiler-keys-when-loaded`: no stage starts the thread that computes torch's and Triton's digests."""
     from hf_knowgpt.commands import cli

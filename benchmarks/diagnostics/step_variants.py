@@ -186,10 +186,21 @@ def write_inductor_counters(output_dir: Path) -> None:
     (output_dir / COUNTERS_FILE).write_text(json.dumps(dict(counters["inductor"])))
 
 
-def run_one(variant: str, train_args: list[str]) -> None:
+def setting_modules() -> dict:
+    """The modules whose settings a variant may set, by the keys of VARIANTS that name them."""
     from hf_knowgpt import layers_knowgpt
-    from hf_knowgpt.commands import cli, train
     from hf_knowgpt.kernels import fused_attention, fused_layers, multi_tensor_adamw
+
+    return {
+        "fused_attention": fused_attention,
+        "fused_layers": fused_layers,
+        "layers_knowgpt": layers_knowgpt,
+        "multi_tensor_adamw": multi_tensor_adamw,
+    }
+
+
+def run_one(variant: str, train_args: list[str]) -> None:
+    from hf_knowgpt.commands import cli, train
     from hf_knowgpt.training import trainer
     from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options
 
@@ -202,13 +213,7 @@ def run_one(variant: str, train_args: list[str]) -> None:
 
         for name, value in settings["dynamo"].items():
             setattr(torch._dynamo.config, name, value)
-    modules = {
-        "fused_attention": fused_attention,
-        "fused_layers": fused_layers,
-        "layers_knowgpt": layers_knowgpt,
-        "multi_tensor_adamw": multi_tensor_adamw,
-    }
-    for module_name, module in modules.items():
+    for module_name, module in setting_modules().items():
         for name, value in settings.get(module_name, {}).items():
             setattr(module, name, value)
     GraphedStepper.INDUCTOR_OPTIONS = {**GraphedStepper.INDUCTOR_OPTIONS, **inductor_options}
