@@ -53,9 +53,10 @@ PROGRAMS_PER_SM = 4
 RESIDUAL_MASK_STORED = False
 # The residual backward kernel's column sums (the LayerNorm's weight and bias gradients, the branch bias's) kept per
 # row of its tile in registers and summed over the rows once at the end (True), or summed over each tile's rows as it
-# goes (False: a reduction across the program's warps per tile and sum). Forward + backward 0.051 against 0.071 ms,
-# still slower than inductor's composition at 0.047 (H200, benchmarks/RESULTS.md), so `--fused_layers` stays off in
-# compiled steps; off until timed through a whole command.
+# goes (False: a reduction across the program's warps per tile and sum). Forward + backward 0.051 against 0.071 ms
+# (inductor's composition 0.047), and with TILE_ELEMENTS = 1024 and PROGRAMS_PER_SM = 2 0.043 against inductor's
+# 0.048, yet the handout command's steps took 21.5 s with it in one run against 20.6-21.3 s without (H200,
+# benchmarks/RESULTS.md): off, as `--fused_layers` is in compiled steps, until timed side by side.
 COLUMN_SUMS_AT_END = False
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
