@@ -30,6 +30,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -162,14 +163,8 @@ def main():
         each restored after the call; a captured graph keeps what its kernels were launched with."""
 
         def call(*inputs):
-            before = {name: getattr(fused_layers, name) for name in settings}
-            for name, value in settings.items():
-                setattr(fused_layers, name, value)
-            try:
+            with mock.patch.multiple(fused_layers, **settings):
                 return function(*inputs)
-            finally:
-                for name, value in before.items():
-                    setattr(fused_layers, name, value)
 
         return call
 

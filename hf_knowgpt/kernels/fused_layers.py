@@ -323,7 +323,8 @@ class _ResidualLayerNorm(torch.autograd.Function):
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
             HAS_BRANCH_BIAS=has_branch_bias, MASK_STORED=mask_stored, num_warps=num_warps,
         )  # fmt: skip
-        ctx.save_for_backward(new_residual, weight, mean, rstd, seed, *([keep] if mask_stored else []))
+        ctx.save_for_backward(new_residual, weight, mean, rstd, seed, keep)
+        ctx.mask_stored = mask_stored
         ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
         ctx.branch_bias_dtype = branch_bias.dtype if has_branch_bias else None
         ctx.column_sums_at_end = COLUMN_SUMS_AT_END  # the call's settings are those of its forward pass
@@ -331,8 +332,7 @@ class _ResidualLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_new, grad_normalized):
-        # The mask follows the other saved tensors where the forward kernel wrote it.
-        new_residual, weight, mean, rstd, seed, *stored = ctx.saved_tensors
+        new_residual, weight, mean, rstd, seed, keep = ctx.saved_tensors  # keep: read only where the mask is stored
         dropout_p, offset, residual_dtype, branch_dtype, bias_dtype = ctx.options
         width = new_residual.shape[-1]
         n_rows = new_residual.numel() // width
@@ -345,11 +345,10 @@ class _ResidualLayerNorm(torch.autograd.Function):
         parts = torch.empty(sums, programs, width, dtype=torch.float32, device=new_residual.device)
         _residual_layer_norm_backward[(programs,)](
             grad_new.contiguous(), grad_normalized.contiguous(), new_residual, weight.contiguous(), mean, rstd, seed,
-            stored[0] if stored else torch.empty(1, dtype=torch.int8, device=new_residual.device),
-            grad_residual, grad_branch, parts,
+            keep, grad_residual, grad_branch, parts,
             n_rows, width, offset,
             DROPOUT_P=dropout_p, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, QUADS=_quads(width, offset),
-            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=bool(stored),
+            HAS_BRANCH_BIAS=branch_bias_dtype is not None, MASK_STORED=ctx.mask_stored,
             ACC_ROWS=block_rows if ctx.column_sums_at_end else 1, num_warps=num_warps,
         )  # fmt: skip
         summed = parts.sum(1)  # one reduction for all of them
