@@ -4,7 +4,11 @@ tokens, bf16 operands), timed three ways: cuBLAS's bf16 product then a cast to t
 way under autocast), the bf16 product alone, and one product written in fp32 (`torch.mm(..., out_dtype=
 torch.float32)`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`). Each way runs `CALLS` times back to back in one CUDA
 graph, replayed; with `--profile` the kernels each way launches are listed (cuBLAS's split-K products add a
-reduce kernel). A table of µs per call is printed last.
+reduce kernel). A table of µs per call is printed last, and after it a second: each shape's products of the model's
+`LAYERS` layers taken together, written in fp32 one layer after another (as the step does) against one batched product
+over the layers' operands held in one stack (`torch.bmm(..., out_dtype=torch.float32)`), and against that product with
+the stack made first from the layers' separate tensors (`torch.stack`): what the layers' weight gradients would cost if
+the backward pass left them to the end of the step and took them together.
 
     python benchmarks/diagnostics/weight_gradient_products.py [--profile]
     CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0 python benchmarks/diagnostics/weight_gradient_products.py
@@ -22,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
 
-TOKENS, CALLS, REPLAYS = 7680, 20, 50
+TOKENS, CALLS, REPLAYS, LAYERS = 7680, 20, 50, 4
 # (output features, input features) of the handout model's plain layers: the attention's input projection (three
 # layers as one product), its output projection, the MLP's two layers
 SHAPES = {
@@ -36,6 +40,17 @@ WAYS = {
     "bf16 product, then cast": lambda grad, states: (grad.t() @ states).float(),
     "bf16 product alone": lambda grad, states: grad.t() @ states,
     "written in fp32": lambda grad, states: torch.mm(grad.t(), states, out_dtype=torch.float32),
+}
+
+
+TOGETHER = {
+    "one layer after another": lambda grads, states: [
+        torch.mm(grad.t(), state, out_dtype=torch.float32) for grad, state in zip(grads, states)
+    ],
+    "one batched product": lambda grads, states: torch.bmm(grads.transpose(1, 2), states, out_dtype=torch.float32),
+    "stacked, then batched": lambda grads, states: torch.bmm(
+        torch.stack(list(grads)).transpose(1, 2), torch.stack(list(states)), out_dtype=torch.float32
+    ),
 }
 
 
@@ -64,12 +79,37 @@ def main():
             rows.append((shape_name, way, microseconds, error))
             if args.profile:
                 print(f"{shape_name}, {way}: {', '.join(kernel_names(lambda p=product, g=grad, s=states: p(g, s)))}")
+    together_rows = []
+    for shape_name, (out_features, in_features) in SHAPES.items():
+        grads = torch.randn(LAYERS, TOKENS, out_features, device="cuda", dtype=torch.bfloat16)
+        states = torch.randn(LAYERS, TOKENS, in_features, device="cuda", dtype=torch.bfloat16)
+        exact = grads.double().transpose(1, 2) @ states.double()
+        for way, products in TOGETHER.items():
+            result = torch.stack(list(products(grads, states)))
+            error = (result.double() - exact).abs().max().item() / exact.abs().max().item()
+            microseconds = (
+                1000
+                * graphed_ms(lambda p=products, g=grads, s=states: [p(g, s) for _ in range(CALLS)], REPLAYS)
+                / CALLS
+            )
+            together_rows.append((shape_name, way, microseconds, error))
+            if args.profile:
+                names = kernel_names(lambda p=products, g=grads, s=states: p(g, s))
+                print(f"{shape_name}, {LAYERS} layers, {way}: {', '.join(names)}")
     print(
         f"\n{torch.cuda.get_device_name()}, {TOKENS} tokens, µs per call ({CALLS} calls per graph, {REPLAYS} replays)"
     )
     print(f"{'layer':<18} {'way':<26} {'µs':>7} {'largest error / largest element':>32}")
     for shape_name, way, microseconds, error in rows:
         print(f"{shape_name:<18} {way:<26} {microseconds:7.2f} {error:32.2e}")
+    print(f"\nthe {LAYERS} layers' products of each shape together, written in fp32: µs for all {LAYERS}")
+    print(f"{'layer':<18} {'way':<26} {'µs':>7} {'largest error / largest element':>32}")
+    totals = {}
+    for shape_name, way, microseconds, error in together_rows:
+        totals[way] = totals.get(way, 0.0) + microseconds
+        print(f"{shape_name:<18} {way:<26} {microseconds:7.2f} {error:32.2e}")
+    for way, microseconds in totals.items():
+        print(f"{'every shape':<18} {way:<26} {microseconds:7.2f}")
 
 
 if __name__ == "__main__":
