@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CPU_ONLY, KERNEL_DEVICE, REPO_ROOT, needs_kernel, write_cs224n_named_synthetic
+from conftest import CPU_ONLY, REPO_ROOT, write_cs224n_named_synthetic
 from cs224n_reference import GPT, Config
 
 from hf_knowgpt.utils.timeline import phase_seconds
@@ -20,7 +20,6 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks" / "diagnostics"))
 import bench_user_path  # noqa: E402
 import compare_accuracy  # noqa: E402
-import grouped_weight_gradients  # noqa: E402
 import profile_step  # noqa: E402
 import sampled_stacks  # noqa: E402
 import step_variants  # noqa: E402
@@ -415,13 +414,3 @@ def test_sampled_stacks_counts_each_stack_once_toward_the_first_kind_it_matches(
     raw.write_text("main (a.py:1) ten\n", encoding="utf-8")
     with pytest.raises(SystemExit, match="line 1"):
         sampled_stacks.read_stacks(raw)
-
-
-@needs_kernel
-def test_grouped_weight_gradients_launch_matches_float64_and_refuses_what_it_cannot_load():
-    """Every product of one launch, tokens whole or split into parts (uneven ones included), against fp64; operands
-    whose widths are not multiples of 16, which the kernel tells the compiler they are, are refused."""
-    grouped_weight_gradients.check()  # asserts each configuration's largest error
-    gradients, inputs = grouped_weight_gradients.operands(32, [(16, 8)], 1, KERNEL_DEVICE, torch.float32)
-    with pytest.raises(ValueError, match="multiples of 16"):
-        grouped_weight_gradients.GroupedTransposedProducts(gradients, inputs, block_m=16, block_n=16, block_k=16)

@@ -155,6 +155,10 @@ VARIANTS = {
         "fused_layers": {"COLUMN_SUMS_AT_END": True, "TILE_ELEMENTS": 1024, "PROGRAMS_PER_SM": 2},
     },
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
+    # the weight-gradient products in one launch at the end of the backward pass (GraphedStepper.WEIGHT_GRADIENTS_TOGETHER,
+    # kernels.grouped_products), the tokens whole or in two parts; compiled steps only
+    "weight-gradients-together": {"weight_gradients_together": True},
+    "weight-gradients-together-splits2": {"weight_gradients_together": True, "grouped_products": {"SPLITS": 2}},
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
@@ -189,11 +193,12 @@ def write_inductor_counters(output_dir: Path) -> None:
 def setting_modules() -> dict:
     """The modules whose settings a variant may set, by the keys of VARIANTS that name them."""
     from hf_knowgpt import layers_knowgpt
-    from hf_knowgpt.kernels import fused_attention, fused_layers, multi_tensor_adamw
+    from hf_knowgpt.kernels import fused_attention, fused_layers, grouped_products, multi_tensor_adamw
 
     return {
         "fused_attention": fused_attention,
         "fused_layers": fused_layers,
+        "grouped_products": grouped_products,
         "layers_knowgpt": layers_knowgpt,
         "multi_tensor_adamw": multi_tensor_adamw,
     }
@@ -224,6 +229,9 @@ def run_one(variant: str, train_args: list[str]) -> None:
         GraphedStepper._prepare_packed = prepare_each_step_alone
     GraphedStepper.LATER_WARMUP_STEPS = settings.get("later_warmup_steps", GraphedStepper.LATER_WARMUP_STEPS)
     GraphedStepper.MULTI_TENSOR_UPDATE = settings.get("multi_tensor_update", GraphedStepper.MULTI_TENSOR_UPDATE)
+    GraphedStepper.WEIGHT_GRADIENTS_TOGETHER = settings.get(
+        "weight_gradients_together", GraphedStepper.WEIGHT_GRADIENTS_TOGETHER
+    )
     GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP = settings.get(
         "later_graphs_after_their_step", GraphedStepper.LATER_GRAPHS_AFTER_THEIR_STEP
     )

@@ -254,6 +254,10 @@ class GraphedStepper:
     # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
     # The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s (H200, benchmarks/RESULTS.md).
     MULTI_TENSOR_UPDATE = True
+    # A compiled step's weight-gradient products taken together at the end of its backward pass, in one launch
+    # (`kernels.grouped_products.WeightGradientsTogether`, a pass over inductor's backward graph). Off until a whole
+    # run is timed with it (benchmarks/diagnostics/step_variants.py's `weight-gradients-together`).
+    WEIGHT_GRADIENTS_TOGETHER = False
     # Packed steps made ready on the host this many at a time (`packed_steps.plan_packed_steps`).
     PLANNED_STEPS = 64
 
@@ -349,7 +353,12 @@ class GraphedStepper:
     @classmethod
     def inductor_options(cls, tune_kernels: bool = False) -> dict:
         """What the step compiles with on a GPU; part of its artifacts file's key."""
-        return known_inductor_options({**cls.INDUCTOR_OPTIONS, **(cls.TUNING_OPTIONS if tune_kernels else {})})
+        options = {**cls.INDUCTOR_OPTIONS, **(cls.TUNING_OPTIONS if tune_kernels else {})}
+        if cls.WEIGHT_GRADIENTS_TOGETHER:
+            from ..kernels.grouped_products import WeightGradientsTogether
+
+            options["post_grad_custom_post_pass"] = WeightGradientsTogether()  # its repr names its code, for the key
+        return known_inductor_options(options)
 
     def _compile(self, options):
         """The step's three parts compiled, each whole, from what an earlier process saved where it did."""

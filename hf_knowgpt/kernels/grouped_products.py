@@ -1,0 +1,217 @@
+"""A compiled training step's weight gradients taken together at the end of its backward pass: every linear layer's
+`gradientᵀ · input` product (bf16 or fp16 operands, fp32 results) in one Triton launch.
+
+Why: at the handout's size each of the sixteen weight-gradient products (four layers, four linear layers each) has
+4–16 output tiles of 128 × 128 for 132 multiprocessors, so cuBLAS splits its 7680 tokens into parts and adds them in
+a reduce kernel of its own: about 0.17 ms of the 1.37 ms step at 120–340 TFLOP/s (H200, benchmarks/RESULTS.md).
+Together they have 192 tiles. The backward pass does not need them until the update, so they can wait for each other.
+
+How: `WeightGradientsTogether` is a pass over inductor's backward graph (`post_grad_custom_post_pass`). It finds the
+products the package's linear layers write in fp32 (`torch.mm(gradᵀ, input, out_dtype=torch.float32)`,
+`layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`) and puts one `knowgpt::transposed_products` call in their place, after the
+last of their operands is computed, its flat fp32 result viewed as each product's. That op's kernel gives every
+program one tile of one product over one part of the tokens (`SPLITS` parts, summed after in a fixed order: no
+atomics, so a seeded run repeats); it reaches each product's operands through the tuple of tensors it is handed (no
+table of addresses, so a captured CUDA graph replays it as it is). Where the kernel does not apply (no Triton, a CPU
+tensor without Triton's interpreter, operands not contiguous or not 16-aligned) the op runs the products in torch.
+
+Off until a whole run shows it pays (`GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`; `benchmarks/diagnostics/
+step_variants.py --variants as-is,weight-gradients-together`).
+"""
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .fused_attention import _interpreted, triton
+
+if triton is not None:
+    import triton.language as tl
+
+# Output tile, tokens per load, token parts, warps and pipeline stages of the kernel.
+BLOCK_M, BLOCK_N, BLOCK_K, SPLITS, NUM_WARPS, NUM_STAGES = 128, 128, 64, 1, 8, 3
+OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: the interpreter's tests (it has no bf16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _transposed_products(
+        GRADIENTS, INPUTS, OUT, tokens, split_tokens, split_stride,
+        OUT_FEATURES: tl.constexpr, IN_FEATURES: tl.constexpr, FIRST_TILES: tl.constexpr,
+        TILE_COLUMNS: tl.constexpr, OFFSETS: tl.constexpr, PRODUCTS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):  # fmt: skip
+        """Program p: tile p // SPLITS, of the product whose tiles begin at the last FIRST_TILES at or below it, over
+        token part p % SPLITS: OUT[part · split_stride + the product's offset + row · columns + column] =
+        Σ over the part's tokens of gradient[token, row] · input[token, column]. EVEN: every part whole loads of
+        BLOCK_K tokens and every product whole tiles, so no load needs a mask."""
+        program = tl.program_id(0)
+        tile, part = program // SPLITS, program % SPLITS
+        gradient, states = GRADIENTS[0], INPUTS[0]
+        out_features, in_features, first_tile = OUT_FEATURES[0], IN_FEATURES[0], FIRST_TILES[0]
+        tile_columns, offset = TILE_COLUMNS[0], OFFSETS[0]
+        for product in tl.static_range(1, PRODUCTS):  # selects, not branches: one pointer and size each
+            later = tile >= FIRST_TILES[product]
+            gradient = tl.where(later, GRADIENTS[product], gradient)
+            states = tl.where(later, INPUTS[product], states)
+            out_features = tl.where(later, OUT_FEATURES[product], out_features)
+            in_features = tl.where(later, IN_FEATURES[product], in_features)
+            first_tile = tl.where(later, FIRST_TILES[product], first_tile)
+            tile_columns = tl.where(later, TILE_COLUMNS[product], tile_columns)
+            offset = tl.where(later, OFFSETS[product], offset)
+        within = tile - first_tile
+        rows = (within // tile_columns) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (within % tile_columns) * BLOCK_N + tl.arange(0, BLOCK_N)
+        begin = part * split_tokens
+        end = tl.minimum(begin + split_tokens, tokens)
+        accumulated = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for start in range(begin, end, BLOCK_K):
+            token = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            gradient_block = gradient + token[:, None] * out_features + rows[None, :]
+            input_block = states + token[:, None] * in_features + cols[None, :]
+            if EVEN:
+                a = tl.load(gradient_block)
+                b = tl.load(input_block)
+            else:
+                a = tl.load(gradient_block, mask=(token[:, None] < end) & (rows[None, :] < out_features), other=0.0)
+                b = tl.load(input_block, mask=(token[:, None] < end) & (cols[None, :] < in_features), other=0.0)
+            accumulated = tl.dot(tl.trans(a), b, accumulated)
+        written = OUT + part.to(tl.int64) * split_stride + offset + rows[:, None] * in_features + cols[None, :]
+        tl.store(written, accumulated, mask=(rows[:, None] < out_features) & (cols[None, :] < in_features))
+
+
+def _kernel_applies(gradients, inputs) -> bool:
+    if triton is None:
+        return False
+    first = gradients[0]
+    tensors = (*gradients, *inputs)
+    on_cpu = first.device.type == "cpu"  # Triton's interpreter: its memory holds no bf16, so fp32 only there
+    return (
+        (first.device.type == "cuda" or (on_cpu and _interpreted()))
+        and (first.dtype == torch.float32 if on_cpu else first.dtype in OPERAND_DTYPES)
+        and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+        and all(t.data_ptr() % 16 == 0 and t.shape[1] % 16 == 0 for t in tensors)  # 16-byte loads
+    )
+
+
+def _products_in_torch(gradients, inputs) -> torch.Tensor:
+    if gradients[0].is_cuda and gradients[0].dtype != torch.float32:
+        products = [torch.mm(g.t(), x, out_dtype=torch.float32) for g, x in zip(gradients, inputs)]
+    else:  # torch.mm takes out_dtype on CUDA only
+        products = [g.t().float() @ x.float() for g, x in zip(gradients, inputs)]
+    return torch.cat([product.flatten() for product in products])
+
+
+@torch.library.custom_op("knowgpt::transposed_products", mutates_args=())
+def transposed_products(gradients: list[torch.Tensor], inputs: list[torch.Tensor]) -> torch.Tensor:
+    """`gradients[i]ᵀ · inputs[i]` for every i, in fp32, flattened one after another into one tensor: each (tokens,
+    out_featuresᵢ) gradient and (tokens, in_featuresᵢ) input gives out_featuresᵢ × in_featuresᵢ elements."""
+    if len(gradients) != len(inputs) or not gradients:
+        raise ValueError(f"{len(gradients)} gradients and {len(inputs)} inputs: one of each per product, at least one")
+    tokens = gradients[0].shape[0]
+    if any(t.dim() != 2 or t.shape[0] != tokens for t in (*gradients, *inputs)):
+        raise ValueError("every gradient and input must be a (tokens, features) matrix, with the same tokens")
+    if not _kernel_applies(gradients, inputs):
+        return _products_in_torch(gradients, inputs)
+    out_features = tuple(g.shape[1] for g in gradients)
+    in_features = tuple(x.shape[1] for x in inputs)
+    tile_columns = tuple(triton.cdiv(n, BLOCK_N) for n in in_features)
+    first_tiles, offsets, tiles, total = [], [], 0, 0
+    for rows, cols, columns in zip(out_features, in_features, tile_columns):
+        first_tiles.append(tiles)
+        offsets.append(total)
+        tiles += triton.cdiv(rows, BLOCK_M) * columns
+        total += rows * cols
+    split_tokens = max(
+        BLOCK_K, triton.cdiv(triton.cdiv(tokens, SPLITS), BLOCK_K) * BLOCK_K
+    )  # whole loads but the last
+    even = tokens % split_tokens == 0 and all(
+        rows % BLOCK_M == 0 and cols % BLOCK_N == 0 for rows, cols in zip(out_features, in_features)
+    )
+    out = torch.empty(SPLITS * total, dtype=torch.float32, device=gradients[0].device)
+    _transposed_products[(tiles * SPLITS,)](
+        tuple(gradients), tuple(inputs), out, tokens, split_tokens, total,
+        OUT_FEATURES=out_features, IN_FEATURES=in_features, FIRST_TILES=tuple(first_tiles), TILE_COLUMNS=tile_columns,
+        OFFSETS=tuple(offsets), PRODUCTS=len(gradients), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        SPLITS=SPLITS, EVEN=even, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out if SPLITS == 1 else out.view(SPLITS, total).sum(0)
+
+
+@transposed_products.register_fake
+def _(gradients, inputs):
+    total = sum(g.shape[1] * x.shape[1] for g, x in zip(gradients, inputs))
+    return gradients[0].new_empty((total,), dtype=torch.float32)
+
+
+def _weight_gradient_operands(node: torch.fx.Node):
+    """(gradient, input) nodes where `node` is `torch.mm(gradientᵀ, input, out_dtype=torch.float32)` of 16-bit
+    (tokens, features) matrices, as the package's linear layers write their weight gradients; else None."""
+    aten = torch.ops.aten
+    if node.op != "call_function" or node.target is not aten.mm.dtype or len(node.args) < 3:
+        return None
+    transposed, states, out_dtype = node.args[:3]
+    if (
+        out_dtype != torch.float32
+        or not isinstance(transposed, torch.fx.Node)
+        or not isinstance(states, torch.fx.Node)
+    ):
+        return None
+    is_transpose = transposed.target is aten.t.default or (
+        transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0]
+    )
+    if not is_transpose:
+        return None
+    gradient = transposed.args[0]
+    values = [getattr(n, "meta", {}).get("val") for n in (gradient, states)]
+    if any(v is None or v.dim() != 2 or v.dtype not in (torch.bfloat16, torch.float16) for v in values):
+        return None
+    return gradient, states
+
+
+class WeightGradientsTogether(CustomGraphPass):
+    """Inductor's post-grad pass: a backward graph's fp32 weight-gradient products (two or more) become one
+    `knowgpt::transposed_products` call, placed after the last of their operands, and views of its result."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from torch._inductor.pattern_matcher import stable_topological_sort
+
+        found = [(node, operands) for node in graph.nodes if (operands := _weight_gradient_operands(node))]
+        if len(found) < 2:
+            return
+        order = {node: position for position, node in enumerate(graph.nodes)}
+        gradients = [gradient for _, (gradient, _) in found]
+        inputs = [states for _, (_, states) in found]
+        last = max((*gradients, *inputs), key=order.__getitem__)
+        op = torch.ops.knowgpt.transposed_products.default
+        with graph.inserting_after(last):
+            together = graph.call_function(op, (gradients, inputs))
+        together.meta["val"] = op([g.meta["val"] for g in gradients], [x.meta["val"] for x in inputs])
+        offset, previous = 0, together
+        for node, _ in found:
+            rows, cols = node.meta["val"].shape
+            with graph.inserting_after(previous):
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (together, 0, offset, offset + rows * cols))
+            part.meta["val"] = together.meta["val"][offset : offset + rows * cols]
+            with graph.inserting_after(part):
+                product = graph.call_function(torch.ops.aten.view.default, (part, [rows, cols]))
+            product.meta["val"] = part.meta["val"].view(rows, cols)
+            node.replace_all_uses_with(product)
+            offset, previous = offset + rows * cols, product
+        for node, _ in found:
+            transposed = node.args[0]
+            graph.erase_node(node)
+            if not transposed.users:
+                graph.erase_node(transposed)
+        stable_topological_sort(graph)  # a product's users may have come before its operands' last
+        graph.lint()
+
+    def uuid(self) -> str:
+        return get_hash_for_files((__file__,)).hex()
+
+    def __repr__(self) -> str:  # part of the compiled step's key (fast_path's artifacts file): the code, no address
+        return f"{type(self).__name__}({self.uuid()[:16]})"
+
+
+__all__ = ["WeightGradientsTogether", "transposed_products"]

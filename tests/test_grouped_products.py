@@ -1,0 +1,186 @@
+"""The weight gradients taken together (hf_knowgpt.kernels.grouped_products): the `knowgpt::transposed_products` op
+against fp64 (its Triton kernel under the interpreter or on a GPU, its torch products elsewhere), and the pass over a
+backward graph that puts one call of it where the fp32 weight-gradient products were.
+
+The kernel tests need Triton and either a CUDA device or Triton's interpreter on the CPU (`pip install triton`, then
+`TRITON_INTERPRET=1 python -m pytest tests/test_grouped_products.py`); the pass and the op's torch products run
+everywhere; the compiled model's test needs a CUDA device.
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE, needs_kernel
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from hf_knowgpt.kernels import grouped_products
+from hf_knowgpt.kernels.grouped_products import WeightGradientsTogether, transposed_products
+
+
+def operands(tokens, shapes, device, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    gradients = [torch.randn(tokens, rows, generator=generator).to(device, dtype) for rows, _ in shapes]
+    inputs = [torch.randn(tokens, cols, generator=generator).to(device, dtype) for _, cols in shapes]
+    return gradients, inputs
+
+
+def exact_products(gradients, inputs) -> torch.Tensor:
+    return torch.cat([(g.double().t() @ x.double()).flatten() for g, x in zip(gradients, inputs)])
+
+
+def assert_products(got, gradients, inputs):
+    want = exact_products(gradients, inputs)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # bf16 operands multiply exactly in fp32; only the fp32 sums round (a few hundred terms at most here)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+# the interpreter's memory holds no bf16 (see test_fused_attention.py): fp32 operands there, bf16 on the GPU
+KERNEL_DTYPE = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "tokens, blocks, splits",
+    [(64, (16, 16, 16), 1), (80, (16, 16, 16), 2), (70, (32, 16, 16), 3), (16, (16, 32, 16), 2)],
+    ids=["whole", "two-parts", "three-uneven-parts", "a-part-past-the-tokens"],
+)
+def test_the_kernel_computes_every_product_of_one_launch(monkeypatch, tokens, blocks, splits):
+    """Products of several shapes in one launch (tiles of several products, rows and columns that do not fill a
+    tile), the tokens whole or in parts, uneven ones and one with no tokens at all included."""
+    block_m, block_n, block_k = blocks
+    for name, value in dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, NUM_STAGES=1).items():
+        monkeypatch.setattr(grouped_products, name, value)
+    launched = []
+    monkeypatch.setattr(grouped_products, "_products_in_torch", lambda *_: launched.append("torch"))
+    gradients, inputs = operands(tokens, [(32, 16), (16, 48), (48, 32)], KERNEL_DEVICE, KERNEL_DTYPE)
+    assert_products(transposed_products(gradients, inputs), gradients, inputs)
+    assert launched == [], "the kernel should have run, not torch's products"
+
+
+@needs_kernel
+def test_operands_the_kernel_cannot_load_go_to_torchs_products():
+    """Widths that are not multiples of 16 (the kernel tells the compiler its loads are 16-byte aligned)."""
+    gradients, inputs = operands(32, [(16, 8), (24, 16)], KERNEL_DEVICE, KERNEL_DTYPE)
+    assert not grouped_products._kernel_applies(gradients, inputs)
+    assert_products(transposed_products(gradients, inputs), gradients, inputs)
+
+
+def test_the_op_checks_its_operands():
+    gradients, inputs = operands(8, [(16, 16)], "cpu", torch.float32)
+    with pytest.raises(ValueError, match="one of each per product"):
+        transposed_products(gradients, inputs + inputs)
+    with pytest.raises(ValueError, match="same tokens"):
+        transposed_products(gradients, [torch.zeros(9, 16)])
+
+
+def weight_gradients_like_a_backward_pass(g1, x1, g2, x2, g3, x3, other):
+    """Three weight-gradient products as the linear layers write them, the second's result used before the third's
+    operands exist (as an update's sum might be), and an fp32 product the pass must leave alone."""
+    first = torch.mm(g1.t(), x1, out_dtype=torch.float32)
+    second = torch.mm(g2.t(), x2, out_dtype=torch.float32)
+    norm = second.square().sum()
+    g3 = g3 * 2  # computed after the first products, as later layers' gradients are
+    third = torch.mm(g3.t(), x3, out_dtype=torch.float32)
+    untouched = other.t() @ other
+    return first, second, third, norm, untouched
+
+
+def test_the_pass_puts_one_call_where_the_weight_gradient_products_were():
+    """Traced with fake tensors (torch.mm's out_dtype has no CPU kernel), the graph holds three `mm.dtype` products;
+    after the pass, none and one `transposed_products` after the last operand, and run on the CPU (the op's torch
+    products) the graph gives what fp64 gives."""
+    shapes = [(32, 16), (16, 48), (48, 32)]
+    gradients, inputs = operands(24, shapes, "cpu", torch.bfloat16)
+    other = torch.randn(24, 8)
+    arguments = [t for pair in zip(gradients, inputs) for t in pair] + [other]
+    traced = make_fx(weight_gradients_like_a_backward_pass, tracing_mode="fake")(*arguments)
+    products = [n for n in traced.graph.nodes if n.target is torch.ops.aten.mm.dtype]
+    assert len(products) == 3
+    WeightGradientsTogether()(traced.graph)
+    traced.recompile()
+    targets = [n.target for n in traced.graph.nodes]
+    assert torch.ops.aten.mm.dtype not in targets
+    assert targets.count(torch.ops.knowgpt.transposed_products.default) == 1
+    assert targets.count(torch.ops.aten.mm.default) == 1  # the fp32 product, left as it was
+    first, second, third, norm, untouched = traced(*arguments)
+    doubled = [gradients[0], gradients[1], gradients[2] * 2]
+    want = exact_products(doubled, inputs)
+    got = torch.cat([first.flatten(), second.flatten(), third.flatten()])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(norm.double(), second.double().square().sum())
+    torch.testing.assert_close(untouched, other.t() @ other)
+
+
+def test_the_pass_leaves_a_graph_with_one_product_as_it_is():
+    gradients, inputs = operands(8, [(16, 16)], "cpu", torch.bfloat16)
+
+    def one(g, x):
+        return torch.mm(g.t(), x, out_dtype=torch.float32)
+
+    traced = make_fx(one, tracing_mode="fake")(gradients[0], inputs[0])
+    before = [n.target for n in traced.graph.nodes]
+    WeightGradientsTogether()(traced.graph)
+    assert [n.target for n in traced.graph.nodes] == before
+
+
+def test_the_pass_names_itself_by_its_code_not_its_address():
+    """Its repr is part of the compiled step's key (fast_path's artifacts file)."""
+    assert repr(WeightGradientsTogether()) == repr(WeightGradientsTogether())
+    assert "0x" not in repr(WeightGradientsTogether())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.mm's out_dtype, bf16 autocast)")
+def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_ones(monkeypatch):
+    """The handout-shaped model compiled with the pass and without, the same batch under bf16 autocast: the op runs
+    once per backward pass, and every gradient agrees with the run without it (the same products, summed in another
+    order)."""
+    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+
+    calls = []
+    config = KnowGPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128, attention_type="vanilla")
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(config).cuda()
+    ids = torch.randint(0, 256, (8, 128), device="cuda")
+
+    def gradients(options):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        compiled = torch.compile(model, options=options)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    model.eval()  # no dropout: the two runs see the same arithmetic
+    apart = gradients({})
+
+    counting = WeightGradientsTogether()
+    original_call = WeightGradientsTogether.__call__
+
+    def counted(self, graph):
+        before = sum(1 for n in graph.nodes if n.target is torch.ops.aten.mm.dtype)
+        original_call(self, graph)
+        calls.append(before)
+
+    monkeypatch.setattr(WeightGradientsTogether, "__call__", counted)
+    together = gradients({"post_grad_custom_post_pass": counting})
+    assert max(calls) >= 2 * config.n_layer, f"the backward graph held {calls} weight-gradient products"
+    assert apart.keys() == together.keys()
+    for name in apart:
+        torch.testing.assert_close(
+            together[name], apart[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def test_the_graphed_step_compiles_with_the_pass_only_where_told(monkeypatch):
+    """Off by default; on, the compiled step's inductor options carry the pass, and their text (the compiled step's
+    key) is the same in every process."""
+    from hf_knowgpt.training.fast_path import GraphedStepper
+
+    assert "post_grad_custom_post_pass" not in GraphedStepper.inductor_options()
+    monkeypatch.setattr(GraphedStepper, "WEIGHT_GRADIENTS_TOGETHER", True)
+    options = GraphedStepper.inductor_options()
+    assert isinstance(options["post_grad_custom_post_pass"], WeightGradientsTogether)
+    assert json.dumps(options, default=str) == json.dumps(GraphedStepper.inductor_options(), default=str)
