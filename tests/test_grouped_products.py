@@ -184,3 +184,58 @@ def test_the_graphed_step_compiles_with_the_pass_only_where_told(monkeypatch):
     options = GraphedStepper.inductor_options()
     assert isinstance(options["post_grad_custom_post_pass"], WeightGradientsTogether)
     assert json.dumps(options, default=str) == json.dumps(GraphedStepper.inductor_options(), default=str)
+
+
+class _Fp32WeightGradientLinear(torch.autograd.Function):
+    """x · wᵀ on bf16 operands whose weight gradient is `torch.mm(gradᵀ, x, out_dtype=torch.float32)`, as the
+    package's linear layers write it on a GPU; on the CPU torch has no kernel for that product, so a compiled backward
+    pass runs only where the pass has replaced every one of them."""
+
+    @staticmethod
+    def forward(ctx, states, weight):
+        ctx.save_for_backward(states, weight)
+        return states @ weight.to(states.dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        states, weight = ctx.saved_tensors
+        return grad @ weight.to(grad.dtype), torch.mm(grad.t(), states, out_dtype=torch.float32)
+
+
+def test_inductor_compiles_a_backward_pass_with_the_weight_gradients_together():
+    """Three layers compiled by inductor with the pass, the tokens a symbol (as the packed step compiles them): the
+    backward pass runs (torch.mm's out_dtype has no CPU kernel, so every product went to the op) and its weight
+    gradients are fp64's, for two token counts through one graph."""
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    weights = [(0.2 * torch.randn(rows, cols, generator=generator)).requires_grad_() for rows, cols in
+               [(32, 16), (48, 32), (16, 48)]]  # fmt: skip
+
+    def loss_of(states):
+        for weight in weights:
+            states = torch.tanh(_Fp32WeightGradientLinear.apply(states, weight))
+        return states.float().square().sum()
+
+    compiled = torch.compile(loss_of, options={"post_grad_custom_post_pass": WeightGradientsTogether()})
+    for tokens in (24, 40):
+        states = torch.randn(tokens, 16, generator=generator).to(torch.bfloat16)
+        torch._dynamo.mark_dynamic(states, 0)  # the tokens a symbol, the layers' widths not
+        for weight in weights:
+            weight.grad = None
+        compiled(states).backward()
+        got = [weight.grad.clone() for weight in weights]
+        # fp64 of the same bf16 activations: the eager backward with the products in fp64
+        for weight in weights:
+            weight.grad = None
+        with torch.no_grad():
+            activations, current = [], states
+            for weight in weights:
+                activations.append(current)
+                current = torch.tanh(current @ weight.to(torch.bfloat16).t())
+        grad = 2 * current.double()
+        for weight, states_in, got_grad in reversed(list(zip(weights, activations, got))):
+            output = torch.tanh(states_in @ weight.to(torch.bfloat16).t()).double()
+            grad = (grad * (1 - output.square())).to(torch.bfloat16)
+            want = grad.double().t() @ states_in.double()
+            torch.testing.assert_close(got_grad.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+            grad = (grad @ weight.to(torch.bfloat16)).double()

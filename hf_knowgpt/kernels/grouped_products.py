@@ -19,6 +19,8 @@ Off until a whole run shows it pays (`GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`;
 step_variants.py --variants as-is,weight-gradients-together`).
 """
 
+import warnings
+
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -113,6 +115,12 @@ def transposed_products(gradients: list[torch.Tensor], inputs: list[torch.Tensor
     if any(t.dim() != 2 or t.shape[0] != tokens for t in (*gradients, *inputs)):
         raise ValueError("every gradient and input must be a (tokens, features) matrix, with the same tokens")
     if not _kernel_applies(gradients, inputs):
+        if gradients[0].is_cuda and triton is not None:  # correct, but not what the pass was put there for
+            warnings.warn(
+                "knowgpt::transposed_products: the kernel takes contiguous bf16 or fp16 operands at 16-byte aligned "
+                "addresses with widths a multiple of 16; these run as torch's products one after another",
+                stacklevel=2,
+            )
         return _products_in_torch(gradients, inputs)
     out_features = tuple(g.shape[1] for g in gradients)
     in_features = tuple(x.shape[1] for x in inputs)
@@ -147,7 +155,8 @@ def _(gradients, inputs):
 
 def _weight_gradient_operands(node: torch.fx.Node):
     """(gradient, input) nodes where `node` is `torch.mm(gradientᵀ, input, out_dtype=torch.float32)` of 16-bit
-    (tokens, features) matrices, as the package's linear layers write their weight gradients; else None."""
+    (tokens, features) matrices whose features are not symbols, as the package's linear layers write their weight
+    gradients; else None."""
     aten = torch.ops.aten
     if node.op != "call_function" or node.target is not aten.mm.dtype or len(node.args) < 3:
         return None
@@ -166,6 +175,8 @@ def _weight_gradient_operands(node: torch.fx.Node):
     gradient = transposed.args[0]
     values = [getattr(n, "meta", {}).get("val") for n in (gradient, states)]
     if any(v is None or v.dim() != 2 or v.dtype not in (torch.bfloat16, torch.float16) for v in values):
+        return None
+    if not all(isinstance(v.shape[1], int) for v in values):  # the kernel is built for each product's shape
         return None
     return gradient, states
 
