@@ -66,7 +66,10 @@ way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the comma
 forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`), its backward
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
 tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
-(`blas-no-workspace`, environment variables set before the run starts); the update's gradients concatenated into one
+(`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
+taken together in one launch at the end of its backward pass (`weight-gradients-together`,
+`GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`), that with the tokens in two parts (`weight-gradients-together-splits2`,
+`grouped_products.SPLITS`); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
 65,536 parameters per multiprocessor (`multi-tensor-update-at-any-size`, `multi_tensor_adamw.multi_tensor_adamw_pays`;
