@@ -3,7 +3,7 @@
 
 Why: at the handout's size each of the sixteen weight-gradient products (four layers, four linear layers each) has
 4–16 output tiles of 128 × 128 for 132 multiprocessors, so cuBLAS splits its 7680 tokens into parts and adds them in
-a reduce kernel of its own: about 0.17 ms of the 1.37 ms step at 120–340 TFLOP/s (H200, benchmarks/RESULTS.md).
+a reduce kernel of its own: 0.17–0.19 ms of the 1.37 ms step, 120–340 TFLOP/s (H200, benchmarks/RESULTS.md).
 Together they have 192 tiles. The backward pass does not need them until the update, so they can wait for each other.
 
 How: `WeightGradientsTogether` is a pass over inductor's backward graph (`post_grad_custom_post_pass`). It finds the
