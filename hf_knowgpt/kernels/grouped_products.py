@@ -24,6 +24,7 @@ import warnings
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from .column_sums import weight_gradient
 from .fused_attention import _interpreted, triton
 
 if triton is not None:
@@ -98,8 +99,8 @@ def _kernel_applies(gradients, inputs) -> bool:
 
 
 def _products_in_torch(gradients, inputs) -> torch.Tensor:
-    if gradients[0].is_cuda and gradients[0].dtype != torch.float32:
-        products = [torch.mm(g.t(), x, out_dtype=torch.float32) for g, x in zip(gradients, inputs)]
+    if gradients[0].is_cuda and gradients[0].dtype != torch.float32:  # as the linear layers write them
+        products = [weight_gradient(g, x, in_fp32=True) for g, x in zip(gradients, inputs)]
     else:  # torch.mm takes out_dtype on CUDA only
         products = [g.t().float() @ x.float() for g, x in zip(gradients, inputs)]
     return torch.cat([product.flatten() for product in products])
@@ -131,9 +132,8 @@ def transposed_products(gradients: list[torch.Tensor], inputs: list[torch.Tensor
         offsets.append(total)
         tiles += triton.cdiv(rows, BLOCK_M) * columns
         total += rows * cols
-    split_tokens = max(
-        BLOCK_K, triton.cdiv(triton.cdiv(tokens, SPLITS), BLOCK_K) * BLOCK_K
-    )  # whole loads but the last
+    # each part whole loads of BLOCK_K tokens, so that only the last part may end inside one
+    split_tokens = max(BLOCK_K, triton.cdiv(triton.cdiv(tokens, SPLITS), BLOCK_K) * BLOCK_K)
     even = tokens % split_tokens == 0 and all(
         rows % BLOCK_M == 0 and cols % BLOCK_N == 0 for rows, cols in zip(out_features, in_features)
     )
