@@ -25,12 +25,13 @@ def operands(tokens, shapes, device, dtype, seed=0):
     return gradients, inputs
 
 
-def exact_products(gradients, inputs) -> torch.Tensor:
-    return torch.cat([(g.double().t() @ x.double()).flatten() for g, x in zip(gradients, inputs)])
+def exact_products(gradients, inputs, summed=()) -> torch.Tensor:
+    products = [(g.double().t() @ x.double()).flatten() for g, x in zip(gradients, inputs)]
+    return torch.cat(products + [gradients[index].double().sum(0) for index in summed])
 
 
-def assert_products(got, gradients, inputs):
-    want = exact_products(gradients, inputs)
+def assert_products(got, gradients, inputs, summed=()):
+    want = exact_products(gradients, inputs, summed)
     assert got.dtype == torch.float32 and got.shape == want.shape
     # bf16 operands multiply exactly in fp32; only the fp32 sums round (a few hundred terms at most here)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -41,21 +42,23 @@ KERNEL_DTYPE = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
 
 
 @needs_kernel
+@pytest.mark.parametrize("summed", [(), (0, 2), (1,)], ids=["products", "two-column-sums", "one-column-sum"])
 @pytest.mark.parametrize(
     "tokens, blocks, splits",
     [(64, (16, 16, 16), 1), (80, (16, 16, 16), 2), (70, (32, 16, 16), 3), (16, (16, 32, 16), 2)],
     ids=["whole", "two-parts", "three-uneven-parts", "a-part-past-the-tokens"],
 )
-def test_the_kernel_computes_every_product_of_one_launch(monkeypatch, tokens, blocks, splits):
+def test_the_kernel_computes_every_product_of_one_launch(monkeypatch, tokens, blocks, splits, summed):
     """Products of several shapes in one launch (tiles of several products, rows and columns that do not fill a
-    tile), the tokens whole or in parts, uneven ones and one with no tokens at all included."""
+    tile), the tokens whole or in parts, uneven ones and one with no tokens at all included; with some gradients'
+    column sums after them (blocks of columns that do not fill a block, a gradient summed that is not the first)."""
     block_m, block_n, block_k = blocks
     for name, value in dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, NUM_STAGES=1).items():
         monkeypatch.setattr(grouped_products, name, value)
     launched = []
     monkeypatch.setattr(grouped_products, "_products_in_torch", lambda *_: launched.append("torch"))
     gradients, inputs = operands(tokens, [(32, 16), (16, 48), (48, 32)], KERNEL_DEVICE, KERNEL_DTYPE)
-    assert_products(transposed_products(gradients, inputs), gradients, inputs)
+    assert_products(transposed_products(gradients, inputs, list(summed)), gradients, inputs, summed)
     assert launched == [], "the kernel should have run, not torch's products"
 
 
@@ -64,7 +67,7 @@ def test_operands_the_kernel_cannot_load_go_to_torchs_products():
     """Widths that are not multiples of 16 (the kernel tells the compiler its loads are 16-byte aligned)."""
     gradients, inputs = operands(32, [(16, 8), (24, 16)], KERNEL_DEVICE, KERNEL_DTYPE)
     assert not grouped_products._kernel_applies(gradients, inputs)
-    assert_products(transposed_products(gradients, inputs), gradients, inputs)
+    assert_products(transposed_products(gradients, inputs, [1]), gradients, inputs, (1,))
 
 
 def test_the_op_checks_its_operands():
@@ -73,6 +76,8 @@ def test_the_op_checks_its_operands():
         transposed_products(gradients, inputs + inputs)
     with pytest.raises(ValueError, match="same tokens"):
         transposed_products(gradients, [torch.zeros(9, 16)])
+    with pytest.raises(ValueError, match="summed names gradients"):
+        transposed_products(gradients, inputs, [1])
 
 
 def weight_gradients_like_a_backward_pass(g1, x1, g2, x2, g3, x3, other):

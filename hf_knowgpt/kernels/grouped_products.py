@@ -38,19 +38,14 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: the int
 if triton is not None:
 
     @triton.jit
-    def _transposed_products(
-        GRADIENTS, INPUTS, OUT, tokens, split_tokens, split_stride,
+    def _product_tile(
+        tile, begin, end, GRADIENTS, INPUTS, out,
         OUT_FEATURES: tl.constexpr, IN_FEATURES: tl.constexpr, FIRST_TILES: tl.constexpr,
         TILE_COLUMNS: tl.constexpr, OFFSETS: tl.constexpr, PRODUCTS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-        EVEN: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
     ):  # fmt: skip
-        """Program p: tile p // SPLITS, of the product whose tiles begin at the last FIRST_TILES at or below it, over
-        token part p % SPLITS: OUT[part · split_stride + the product's offset + row · columns + column] =
-        Σ over the part's tokens of gradient[token, row] · input[token, column]. EVEN: every part whole loads of
-        BLOCK_K tokens and every product whole tiles, so no load needs a mask."""
-        program = tl.program_id(0)
-        tile, part = program // SPLITS, program % SPLITS
+        """Tile `tile`, of the product whose tiles begin at the last FIRST_TILES at or below it: out[the product's
+        offset + row · columns + column] = Σ over tokens [begin, end) of gradient[token, row] · input[token, column]."""
         gradient, states = GRADIENTS[0], INPUTS[0]
         out_features, in_features, first_tile = OUT_FEATURES[0], IN_FEATURES[0], FIRST_TILES[0]
         tile_columns, offset = TILE_COLUMNS[0], OFFSETS[0]
@@ -66,8 +61,6 @@ if triton is not None:
         within = tile - first_tile
         rows = (within // tile_columns) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (within % tile_columns) * BLOCK_N + tl.arange(0, BLOCK_N)
-        begin = part * split_tokens
-        end = tl.minimum(begin + split_tokens, tokens)
         accumulated = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for start in range(begin, end, BLOCK_K):
             token = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
@@ -80,8 +73,67 @@ if triton is not None:
                 a = tl.load(gradient_block, mask=(token[:, None] < end) & (rows[None, :] < out_features), other=0.0)
                 b = tl.load(input_block, mask=(token[:, None] < end) & (cols[None, :] < in_features), other=0.0)
             accumulated = tl.dot(tl.trans(a), b, accumulated)
-        written = OUT + part.to(tl.int64) * split_stride + offset + rows[:, None] * in_features + cols[None, :]
+        written = out + offset + rows[:, None] * in_features + cols[None, :]
         tl.store(written, accumulated, mask=(rows[:, None] < out_features) & (cols[None, :] < in_features))
+
+    @triton.jit
+    def _column_sum_block(
+        block, begin, end, GRADIENTS, out, OUT_FEATURES: tl.constexpr, SUMMED: tl.constexpr,
+        FIRST_SUM_BLOCKS: tl.constexpr, SUM_OFFSETS: tl.constexpr, SUMS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """Block `block` of BLOCK_M columns of gradient SUMMED[s], s the last FIRST_SUM_BLOCKS at or below it:
+        out[SUM_OFFSETS[s] + column] = Σ over tokens [begin, end) of gradient[token, column]."""
+        gradient, width = GRADIENTS[SUMMED[0]], OUT_FEATURES[SUMMED[0]]
+        first_block, offset = FIRST_SUM_BLOCKS[0], SUM_OFFSETS[0]
+        for summed in tl.static_range(1, SUMS):
+            later = block >= FIRST_SUM_BLOCKS[summed]
+            gradient = tl.where(later, GRADIENTS[SUMMED[summed]], gradient)
+            width = tl.where(later, OUT_FEATURES[SUMMED[summed]], width)
+            first_block = tl.where(later, FIRST_SUM_BLOCKS[summed], first_block)
+            offset = tl.where(later, SUM_OFFSETS[summed], offset)
+        columns = (block - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+        total = tl.zeros((BLOCK_K, BLOCK_M), tl.float32)
+        for start in range(begin, end, BLOCK_K):
+            token = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            mask = (token[:, None] < end) & (columns[None, :] < width)
+            total += tl.load(gradient + token[:, None] * width + columns[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + offset + columns, tl.sum(total, 0), mask=columns < width)
+
+    @triton.jit
+    def _transposed_products(
+        GRADIENTS, INPUTS, OUT, tokens, split_tokens, split_stride,
+        OUT_FEATURES: tl.constexpr, IN_FEATURES: tl.constexpr, FIRST_TILES: tl.constexpr,
+        TILE_COLUMNS: tl.constexpr, OFFSETS: tl.constexpr, PRODUCTS: tl.constexpr, PRODUCT_TILES: tl.constexpr,
+        SUMMED: tl.constexpr, FIRST_SUM_BLOCKS: tl.constexpr, SUM_OFFSETS: tl.constexpr, SUMS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
+        EVEN: tl.constexpr,
+    ):  # fmt: skip
+        """Program p takes work item p // SPLITS over token part p % SPLITS, writing to OUT + part · split_stride:
+        below PRODUCT_TILES a product's tile, from there on a block of a gradient's column sums (SUMS of them; none:
+        no branch at all). The sums are memory-bound and come last, into the slots the tiles' last wave leaves free.
+        EVEN: every part whole loads of BLOCK_K tokens and every product whole tiles, so no product's load needs a
+        mask."""
+        program = tl.program_id(0)
+        item, part = program // SPLITS, program % SPLITS
+        begin = part * split_tokens
+        end = tl.minimum(begin + split_tokens, tokens)
+        out = OUT + part.to(tl.int64) * split_stride
+        if SUMS == 0:
+            _product_tile(
+                item, begin, end, GRADIENTS, INPUTS, out, OUT_FEATURES, IN_FEATURES, FIRST_TILES, TILE_COLUMNS,
+                OFFSETS, PRODUCTS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN,
+            )  # fmt: skip
+        elif item < PRODUCT_TILES:
+            _product_tile(
+                item, begin, end, GRADIENTS, INPUTS, out, OUT_FEATURES, IN_FEATURES, FIRST_TILES, TILE_COLUMNS,
+                OFFSETS, PRODUCTS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN,
+            )  # fmt: skip
+        else:
+            _column_sum_block(
+                item - PRODUCT_TILES, begin, end, GRADIENTS, out, OUT_FEATURES, SUMMED, FIRST_SUM_BLOCKS,
+                SUM_OFFSETS, SUMS, BLOCK_M, BLOCK_K,
+            )  # fmt: skip
 
 
 def _kernel_applies(gradients, inputs) -> bool:
@@ -98,23 +150,35 @@ def _kernel_applies(gradients, inputs) -> bool:
     )
 
 
-def _products_in_torch(gradients, inputs) -> torch.Tensor:
+def _products_in_torch(gradients, inputs, summed) -> torch.Tensor:
     if gradients[0].is_cuda and gradients[0].dtype != torch.float32:  # as the linear layers write them
         products = [weight_gradient(g, x, in_fp32=True) for g, x in zip(gradients, inputs)]
     else:  # torch.mm takes out_dtype on CUDA only
         products = [g.t().float() @ x.float() for g, x in zip(gradients, inputs)]
-    return torch.cat([product.flatten() for product in products])
+    sums = [gradients[index].sum(0, dtype=torch.float32) for index in summed]
+    return torch.cat([product.flatten() for product in products] + sums)
 
 
-@torch.library.custom_op("knowgpt::transposed_products", mutates_args=())
-def transposed_products(gradients: list[torch.Tensor], inputs: list[torch.Tensor]) -> torch.Tensor:
-    """`gradients[i]ᵀ · inputs[i]` for every i, in fp32, flattened one after another into one tensor: each (tokens,
-    out_featuresᵢ) gradient and (tokens, in_featuresᵢ) input gives out_featuresᵢ × in_featuresᵢ elements."""
+def _check_operands(gradients, inputs, summed):
     if len(gradients) != len(inputs) or not gradients:
         raise ValueError(f"{len(gradients)} gradients and {len(inputs)} inputs: one of each per product, at least one")
     tokens = gradients[0].shape[0]
     if any(t.dim() != 2 or t.shape[0] != tokens for t in (*gradients, *inputs)):
         raise ValueError("every gradient and input must be a (tokens, features) matrix, with the same tokens")
+    if any(not 0 <= index < len(gradients) for index in summed):
+        raise ValueError(f"summed names gradients {list(summed)}; there are {len(gradients)}")
+
+
+@torch.library.custom_op("knowgpt::transposed_products", mutates_args=())
+def transposed_products(
+    gradients: list[torch.Tensor], inputs: list[torch.Tensor], summed: list[int] | None = None
+) -> torch.Tensor:
+    """`gradients[i]ᵀ · inputs[i]` for every i, in fp32, flattened one after another into one tensor: each (tokens,
+    out_featuresᵢ) gradient and (tokens, in_featuresᵢ) input gives out_featuresᵢ × in_featuresᵢ elements; then, for
+    each index j of `summed`, the column sums of gradients[j] (a linear layer's bias gradient), out_featuresⱼ more."""
+    summed = list(summed or ())
+    _check_operands(gradients, inputs, summed)
+    tokens = gradients[0].shape[0]
     if not _kernel_applies(gradients, inputs):
         if gradients[0].is_cuda and triton is not None:  # correct, but not what the pass was put there for
             warnings.warn(
@@ -122,7 +186,7 @@ def transposed_products(gradients: list[torch.Tensor], inputs: list[torch.Tensor
                 "addresses with widths a multiple of 16; these run as torch's products one after another",
                 stacklevel=2,
             )
-        return _products_in_torch(gradients, inputs)
+        return _products_in_torch(gradients, inputs, summed)
     out_features = tuple(g.shape[1] for g in gradients)
     in_features = tuple(x.shape[1] for x in inputs)
     tile_columns = tuple(triton.cdiv(n, BLOCK_N) for n in in_features)
@@ -132,24 +196,35 @@ def transposed_products(gradients: list[torch.Tensor], inputs: list[torch.Tensor
         offsets.append(total)
         tiles += triton.cdiv(rows, BLOCK_M) * columns
         total += rows * cols
+    first_sum_blocks, sum_offsets, sum_blocks = [], [], 0
+    for index in summed:
+        first_sum_blocks.append(sum_blocks)
+        sum_offsets.append(total)
+        sum_blocks += triton.cdiv(out_features[index], BLOCK_M)
+        total += out_features[index]
     # each part whole loads of BLOCK_K tokens, so that only the last part may end inside one
     split_tokens = max(BLOCK_K, triton.cdiv(triton.cdiv(tokens, SPLITS), BLOCK_K) * BLOCK_K)
     even = tokens % split_tokens == 0 and all(
         rows % BLOCK_M == 0 and cols % BLOCK_N == 0 for rows, cols in zip(out_features, in_features)
     )
     out = torch.empty(SPLITS * total, dtype=torch.float32, device=gradients[0].device)
-    _transposed_products[(tiles * SPLITS,)](
+    _transposed_products[((tiles + sum_blocks) * SPLITS,)](
         tuple(gradients), tuple(inputs), out, tokens, split_tokens, total,
         OUT_FEATURES=out_features, IN_FEATURES=in_features, FIRST_TILES=tuple(first_tiles), TILE_COLUMNS=tile_columns,
-        OFFSETS=tuple(offsets), PRODUCTS=len(gradients), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        SPLITS=SPLITS, EVEN=even, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        OFFSETS=tuple(offsets), PRODUCTS=len(gradients), PRODUCT_TILES=tiles, SUMMED=tuple(summed) or (0,),
+        FIRST_SUM_BLOCKS=tuple(first_sum_blocks) or (0,), SUM_OFFSETS=tuple(sum_offsets) or (0,), SUMS=len(summed),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLITS=SPLITS, EVEN=even, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )  # fmt: skip
     return out if SPLITS == 1 else out.view(SPLITS, total).sum(0)
 
 
 @transposed_products.register_fake
-def _(gradients, inputs):
+def _(gradients, inputs, summed=None):
+    summed = list(summed or ())
+    _check_operands(gradients, inputs, summed)
     total = sum(g.shape[1] * x.shape[1] for g, x in zip(gradients, inputs))
+    total += sum(gradients[index].shape[1] for index in summed)
     return gradients[0].new_empty((total,), dtype=torch.float32)
 
 
