@@ -11,11 +11,21 @@ import json
 
 import pytest
 import torch
-from conftest import KERNEL_DEVICE, needs_kernel
+from conftest import KERNEL_DEVICE, TRITON_INTERPRETED, needs_kernel
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hf_knowgpt.kernels import grouped_products
+from hf_knowgpt.kernels import column_sums, grouped_products
+from hf_knowgpt.kernels.fused_attention import triton
 from hf_knowgpt.kernels.grouped_products import WeightGradientsTogether, transposed_products
+
+# Tracing `column_sums`'s op (a triton_op) needs Triton's compiler: under the interpreter its kernel is Python that
+# would run on the tracer's fake tensors.
+traces_column_sums = pytest.mark.skipif(
+    triton is None or TRITON_INTERPRETED,
+    reason="needs Triton, not its interpreter (CPU builds of torch come without it)"
+    if triton is None
+    else "under Triton's interpreter, tracing column_sums's op runs its kernel on fake tensors",
+)
 
 
 def operands(tokens, shapes, device, dtype, seed=0):
@@ -130,6 +140,48 @@ def test_the_pass_leaves_a_graph_with_one_product_as_it_is():
     assert [n.target for n in traced.graph.nodes] == before
 
 
+def products_and_bias_sums(g1, x1, g2, x2):
+    """Two layers' weight gradients and, by `column_sums`'s op, their bias gradients, as the wide linear layers write
+    them on a GPU."""
+    first = torch.mm(g1.t(), x1, out_dtype=torch.float32)
+    first_bias = column_sums._column_sums(g1)
+    g2 = g2 * 2
+    second = torch.mm(g2.t(), x2, out_dtype=torch.float32)
+    return first, column_sums._column_sums(g2), first_bias, second
+
+
+@traces_column_sums
+@pytest.mark.parametrize("take_sums", [True, False], ids=["sums-taken", "sums-left"])
+def test_the_pass_takes_the_column_sums_of_the_products_gradients_where_told(take_sums):
+    """Traced with fake tensors, the graph holds `knowgpt::column_sums` calls on the products' gradients; with
+    column_sums, the pass takes them into the one call as well (run on the CPU: the op's torch products and sums give
+    fp64's), and without, leaves them where they are."""
+    gradients, inputs = operands(24, [(32, 16), (48, 32)], "cpu", torch.bfloat16)
+    arguments = [gradients[0], inputs[0], gradients[1], inputs[1]]
+    traced = make_fx(products_and_bias_sums, tracing_mode="fake")(*arguments)
+    WeightGradientsTogether(column_sums=take_sums)(traced.graph)
+    traced.recompile()
+    calls = [n for n in traced.graph.nodes if n.target is torch.ops.knowgpt.transposed_products.default]
+    assert len(calls) == 1
+    sums_left = [n for n in traced.graph.nodes if n.target is torch.ops.knowgpt.column_sums.default]
+    if not take_sums:
+        assert len(sums_left) == 2 and calls[0].args[2] == []
+        return
+    assert sums_left == [] and calls[0].args[2] == [0, 1]
+    first, second_bias, first_bias, second = traced(*arguments)
+    doubled = [gradients[0], gradients[1] * 2]
+    want = exact_products(doubled, inputs, (0, 1))
+    got = torch.cat([first.flatten(), second.flatten(), first_bias, second_bias])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_the_column_sums_setting_is_part_of_the_passs_name():
+    """Inductor's cache and the compiled step's file are keyed by it: a step compiled with the sums taken must not be
+    loaded for one without."""
+    with_sums, without = WeightGradientsTogether(column_sums=True), WeightGradientsTogether(column_sums=False)
+    assert with_sums.uuid() != without.uuid() and repr(with_sums) != repr(without)
+
+
 def test_the_pass_names_itself_by_its_code_not_its_address():
     """Its repr is part of the compiled step's key (fast_path's artifacts file)."""
     assert repr(WeightGradientsTogether()) == repr(WeightGradientsTogether())
@@ -139,8 +191,8 @@ def test_the_pass_names_itself_by_its_code_not_its_address():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.mm's out_dtype, bf16 autocast)")
 def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_ones(monkeypatch):
     """A small model compiled with the pass and without, the same batch under bf16 autocast: with it, the op runs
-    once in the backward pass, for every linear layer's weight gradient, on its kernel; every gradient agrees with the
-    run without it (the same products, summed in another order)."""
+    once in the backward pass, for every linear layer's weight gradient and the wide layers' bias gradients, on its
+    kernel; every gradient agrees with the run without it (the same products and sums, summed in another order)."""
     from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
 
     config = KnowGPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128, attention_type="vanilla")
@@ -159,17 +211,25 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     apart = gradients({})
-    calls = []
-    kernel_applies = grouped_products._kernel_applies
+    calls, sums = [], []
+    kernel_applies, check_operands = grouped_products._kernel_applies, grouped_products._check_operands
 
     def recorded(gradients, inputs):
         calls.append((len(gradients), kernel_applies(gradients, inputs)))
         return calls[-1][1]
 
+    def checked(gradients, inputs, summed):
+        if not isinstance(gradients[0], torch._subclasses.FakeTensor):  # the calls that run, not their tracing
+            sums.append(len(summed))
+        return check_operands(gradients, inputs, summed)
+
     monkeypatch.setattr(grouped_products, "_kernel_applies", recorded)
-    together = gradients({"post_grad_custom_post_pass": WeightGradientsTogether()})
-    # four linear layers a block (the attention's input and output projections, the MLP's two)
+    monkeypatch.setattr(grouped_products, "_check_operands", checked)
+    together = gradients({"post_grad_custom_post_pass": WeightGradientsTogether(column_sums=True)})
+    # four linear layers a block (the attention's input and output projections, the MLP's two), and the bias sums of
+    # the two wide ones (the attention's input projection, the MLP's first layer), which `column_sums` takes
     assert calls == [(4 * config.n_layer, True)], calls
+    assert sums == [2 * config.n_layer], sums
     assert apart.keys() == together.keys()
     for name in apart:
         torch.testing.assert_close(
@@ -242,3 +302,69 @@ def test_inductor_compiles_a_backward_pass_with_the_weight_gradients_together():
             want = grad.double().t() @ states_in.double()
             torch.testing.assert_close(got_grad.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
             grad = (grad @ weight.to(torch.bfloat16)).double()
+
+
+class _Fp32WeightGradientBiasedLinear(torch.autograd.Function):
+    """x · wᵀ + b on bf16 operands, its weight gradient as `_Fp32WeightGradientLinear`'s and its bias gradient by
+    `column_sums`'s op (its Triton kernel, which a CPU without Triton's interpreter cannot run: the compiled backward
+    pass runs only where the pass has taken every sum into its call)."""
+
+    @staticmethod
+    def forward(ctx, states, weight, bias):
+        ctx.save_for_backward(states, weight)
+        return states @ weight.to(states.dtype).t() + bias.to(states.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        states, weight = ctx.saved_tensors
+        weight_gradient = torch.mm(grad.t(), states, out_dtype=torch.float32)
+        return grad @ weight.to(grad.dtype), weight_gradient, column_sums._column_sums(grad)
+
+
+@traces_column_sums
+def test_inductor_compiles_a_backward_pass_with_the_bias_sums_taken_together_too(monkeypatch):
+    """Three layers with biases compiled by inductor with the pass, the tokens a symbol: in inductor's graph
+    `column_sums`'s op is decomposed (its kernel's wrapper and the sum of its partial sums), and the pass takes all
+    three sums into its one call with the products; the weight and bias gradients are fp64's for two token counts."""
+    torch._dynamo.reset()
+    summed = []
+    products_in_torch = grouped_products._products_in_torch
+
+    def recorded(gradients, inputs, sums):
+        summed.append(list(sums))
+        return products_in_torch(gradients, inputs, sums)
+
+    monkeypatch.setattr(grouped_products, "_products_in_torch", recorded)
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(32, 16), (48, 32), (16, 48)]
+    weights = [(0.2 * torch.randn(rows, cols, generator=generator)).requires_grad_() for rows, cols in shapes]
+    biases = [(0.1 * torch.randn(rows, generator=generator)).requires_grad_() for rows, _ in shapes]
+
+    def loss_of(states):
+        for weight, bias in zip(weights, biases):
+            states = torch.tanh(_Fp32WeightGradientBiasedLinear.apply(states, weight, bias))
+        return states.float().square().sum()
+
+    compiled = torch.compile(loss_of, options={"post_grad_custom_post_pass": WeightGradientsTogether(True)})
+    for tokens in (24, 40):
+        states = torch.randn(tokens, 16, generator=generator).to(torch.bfloat16)
+        torch._dynamo.mark_dynamic(states, 0)
+        for parameter in (*weights, *biases):
+            parameter.grad = None
+        compiled(states).backward()
+        with torch.no_grad():  # fp64 of the same bf16 activations and gradients
+            activations, current = [], states
+            for weight, bias in zip(weights, biases):
+                activations.append(current)
+                current = torch.tanh(current @ weight.to(torch.bfloat16).t() + bias.to(torch.bfloat16))
+            grad = 2 * current.double()
+            for weight, bias, states_in in reversed(list(zip(weights, biases, activations))):
+                output = torch.tanh(states_in @ weight.to(torch.bfloat16).t() + bias.to(torch.bfloat16)).double()
+                grad = (grad * (1 - output.square())).to(torch.bfloat16)
+                for got, want in (
+                    (weight.grad, grad.double().t() @ states_in.double()),
+                    (bias.grad, grad.double().sum(0)),
+                ):
+                    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+                grad = (grad @ weight.to(torch.bfloat16)).double()
+    assert summed and all(sorted(sums) == [0, 1, 2] for sums in summed), summed

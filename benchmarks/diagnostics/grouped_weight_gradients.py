@@ -4,8 +4,11 @@ and the MLP's two layers: gradient rows transposed times input rows over 7680 pa
 results) in one launch of `knowgpt::transposed_products` (hf_knowgpt.kernels.grouped_products, what a compiled step
 runs with `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`), in each of several kernel configurations, against cuBLAS's
 sixteen products one after another as the step runs them otherwise (`torch.mm(..., out_dtype=torch.float32)`,
-`layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`). Each way runs in one CUDA graph, replayed; a table of µs per step's
-sixteen products, TFLOP/s and the largest error against fp64 is printed last.
+`layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`); and the same with the eight bias gradients of the wide layers (the
+attention's input projection, the MLP's first layer) taken into the launch (`grouped_products.COLUMN_SUMS_TOGETHER`),
+against those products and `column_sums`'s eight kernels (each with torch's sum of its partial sums, which a
+compiled step fuses into another kernel instead). Each way runs in one CUDA graph, replayed; a table of µs per step,
+TFLOP/s of the products and the largest error against fp64 is printed last.
 
     python benchmarks/diagnostics/grouped_weight_gradients.py
     python benchmarks/diagnostics/grouped_weight_gradients.py --configs 128x128x64-1-8-3,128x64x64-2-4-4
@@ -24,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
-from hf_knowgpt.kernels import grouped_products  # noqa: E402
+from hf_knowgpt.kernels import column_sums, grouped_products  # noqa: E402
 
 TOKENS, LAYERS, REPLAYS = 7680, 4, 200
 # (output features, input features) of the handout model's plain layers, as weight_gradient_products.py names them
@@ -53,10 +56,15 @@ def main():
             gradients.append(torch.randn(TOKENS, rows, generator=generator).to("cuda", torch.bfloat16))
             inputs.append(torch.randn(TOKENS, cols, generator=generator).to("cuda", torch.bfloat16))
     exact = torch.cat([(g.double().t() @ x.double()).flatten() for g, x in zip(gradients, inputs)])
+    summed = [index for index, (rows, _) in enumerate(list(SHAPES.values()) * LAYERS) if rows > 256]  # the wide ones
+    exact_with_sums = torch.cat([exact] + [gradients[index].double().sum(0) for index in summed])
     flops = 2 * TOKENS * sum(rows * cols for rows, cols in SHAPES.values()) * LAYERS
 
     def one_after_another():
         return [torch.mm(g.t(), x, out_dtype=torch.float32) for g, x in zip(gradients, inputs)]
+
+    def one_after_another_and_sums():
+        return one_after_another() + [column_sums.column_sums(gradients[index]) for index in summed]
 
     def flat(result) -> torch.Tensor:
         return torch.cat([product.flatten() for product in result]) if isinstance(result, list) else result
@@ -64,14 +72,21 @@ def main():
     def one_launch():
         return grouped_products.transposed_products(gradients, inputs)
 
-    ways = [("cuBLAS, one product after another", one_after_another, {})]
-    ways += [(f"one launch, {config}", one_launch, settings(config)) for config in args.configs.split(",")]
+    def one_launch_with_sums():
+        return grouped_products.transposed_products(gradients, inputs, summed)
+
+    configs = args.configs.split(",")
+    ways = [("cuBLAS, one product after another", one_after_another, {}, exact)]
+    ways += [(f"one launch, {config}", one_launch, settings(config), exact) for config in configs]
+    ways += [(f"cuBLAS + {len(summed)} column_sums", one_after_another_and_sums, {}, exact_with_sums)]
+    ways += [(f"one launch + sums, {c}", one_launch_with_sums, settings(c), exact_with_sums) for c in configs]
     table = []
-    for name, products, module_settings in ways:
+    for name, products, module_settings, exact_result in ways:
         patched = mock.patch.multiple(grouped_products, **module_settings) if module_settings else nullcontext()
         with patched:
             try:
-                error = ((flat(products()).double() - exact).abs().max() / exact.abs().max()).item()
+                difference = (flat(products()).double() - exact_result).abs().max()
+                error = (difference / exact_result.abs().max()).item()
                 microseconds = 1000 * graphed_ms(products, REPLAYS)
             except Exception as failure:  # a configuration that does not build (shared memory) is reported
                 table.append((name, None, None, f"{type(failure).__name__}: {str(failure)[:80]}"))

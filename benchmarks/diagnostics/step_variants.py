@@ -67,9 +67,10 @@ forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.R
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
 tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
 (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
-taken together in one launch at the end of its backward pass (`weight-gradients-together`,
-`GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`), that with the tokens in two parts (`weight-gradients-together-splits2`,
-`grouped_products.SPLITS`); the update's gradients concatenated into one
+taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
+(`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`), that with the tokens in two parts
+(`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that without the bias gradients, left to
+`column_sums`'s kernels (`weight-gradients-together-without-sums`, `grouped_products.COLUMN_SUMS_TOGETHER`); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
 65,536 parameters per multiprocessor (`multi-tensor-update-at-any-size`, `multi_tensor_adamw.multi_tensor_adamw_pays`;
@@ -159,9 +160,14 @@ VARIANTS = {
     },
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     # the weight-gradient products in one launch at the end of the backward pass (GraphedStepper.WEIGHT_GRADIENTS_TOGETHER,
-    # kernels.grouped_products), the tokens whole or in two parts; compiled steps only
+    # kernels.grouped_products), the tokens whole or in two parts, the wide layers' bias gradients in the launch too or
+    # not; compiled steps only
     "weight-gradients-together": {"weight_gradients_together": True},
     "weight-gradients-together-splits2": {"weight_gradients_together": True, "grouped_products": {"SPLITS": 2}},
+    "weight-gradients-together-without-sums": {
+        "weight_gradients_together": True,
+        "grouped_products": {"COLUMN_SUMS_TOGETHER": False},
+    },
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product

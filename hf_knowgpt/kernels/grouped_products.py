@@ -5,20 +5,25 @@ Why: at the handout's size each of the sixteen weight-gradient products (four la
 4–16 output tiles of 128 × 128 for 132 multiprocessors, so cuBLAS splits its 7680 tokens into parts and adds them in
 a reduce kernel of its own: 0.17–0.19 ms of the 1.37 ms step, 120–340 TFLOP/s (H200, benchmarks/RESULTS.md).
 Together they have 192 tiles. The backward pass does not need them until the update, so they can wait for each other.
+The tiles' last wave leaves multiprocessors idle, where the wide layers' bias gradients (column sums of the same
+gradients, eight launches of `column_sums`'s kernel, 45 µs a step) can run as programs of the same launch.
 
 How: `WeightGradientsTogether` is a pass over inductor's backward graph (`post_grad_custom_post_pass`). It finds the
 products the package's linear layers write in fp32 (`torch.mm(gradᵀ, input, out_dtype=torch.float32)`,
 `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`) and puts one `knowgpt::transposed_products` call in their place, after the
-last of their operands is computed, its flat fp32 result viewed as each product's. That op's kernel gives every
-program one tile of one product over one part of the tokens (`SPLITS` parts, summed after in a fixed order: no
-atomics, so a seeded run repeats); it reaches each product's operands through the tuple of tensors it is handed (no
-table of addresses, so a captured CUDA graph replays it as it is). Where the kernel does not apply (no Triton, a CPU
+last of their operands is computed, its flat fp32 result viewed as each product's; with `COLUMN_SUMS_TOGETHER`, it
+also takes the `column_sums` of those gradients into the call. That op's kernel gives every program one tile of one
+product, or one block of one gradient's column sums, after all tiles, over one part of the tokens (`SPLITS` parts,
+summed after in a fixed order: no atomics, so a seeded run repeats); it reaches each product's operands through the
+tuple of tensors it is handed (no table of addresses, so a captured CUDA graph replays it as it is). Where the kernel does not apply (no Triton, a CPU
 tensor without Triton's interpreter, operands not contiguous or not 16-aligned) the op runs the products in torch.
 
 Off until a whole run shows it pays (`GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`; `benchmarks/diagnostics/
 step_variants.py --variants as-is,weight-gradients-together`).
 """
 
+import math
+import operator
 import warnings
 
 import torch
@@ -33,6 +38,9 @@ if triton is not None:
 # Output tile, tokens per load, token parts, warps and pipeline stages of the kernel.
 BLOCK_M, BLOCK_N, BLOCK_K, SPLITS, NUM_WARPS, NUM_STAGES = 128, 128, 64, 1, 8, 3
 OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: the interpreter's tests (it has no bf16)
+# The pass also takes into the launch the column sums that `column_sums.column_sums` computes with a kernel of its own
+# (the wide linear layers' bias gradients) where their gradient is one of the products'.
+COLUMN_SUMS_TOGETHER = True
 
 
 if triton is not None:
@@ -256,9 +264,44 @@ def _weight_gradient_operands(node: torch.fx.Node):
     return gradient, states
 
 
+def _column_sums_operand(node: torch.fx.Node):
+    """(gradient, nodes computing the sum) where `node` gives the column sums that `column_sums`'s kernel computes
+    for a gradient: its op `knowgpt::column_sums` itself, or, as inductor's graphs have it (the op decomposed), the
+    `sum(0)` of the partial sums that the kernel's functional wrapper wrote into an empty buffer; else None."""
+    if node.op != "call_function":
+        return None
+    if hasattr(torch.ops.knowgpt, "column_sums") and node.target is torch.ops.knowgpt.column_sums.default:
+        return node.args[0], (node,)
+    if node.target is not torch.ops.aten.sum.dim_IntList or list(node.args[1:]) != [[0]] or node.kwargs:
+        return None
+    partial = node.args[0]
+    if not (
+        isinstance(partial, torch.fx.Node) and partial.target is operator.getitem and partial.args[1] == "PARTIAL"
+    ):
+        return None
+    wrapper = partial.args[0]
+    if wrapper.target is not torch.ops.higher_order.triton_kernel_wrapper_functional:
+        return None
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from . import column_sums
+
+    kernel = kernel_side_table.get_kernel(wrapper.kwargs["kernel_idx"])
+    strip_sums = getattr(column_sums, "_strip_sums", None)
+    if strip_sums is None or not (kernel is strip_sums or getattr(kernel, "fn", None) is strip_sums):
+        return None  # (inductor keeps a user's kernel wrapped in an autotuner, `fn` the kernel itself)
+    arguments = wrapper.kwargs["kwargs"]
+    return arguments["MATRIX"], (node, partial, wrapper, arguments["PARTIAL"])
+
+
 class WeightGradientsTogether(CustomGraphPass):
     """Inductor's post-grad pass: a backward graph's fp32 weight-gradient products (two or more) become one
-    `knowgpt::transposed_products` call, placed after the last of their operands, and views of its result."""
+    `knowgpt::transposed_products` call, placed after the last of their operands, and views of its result; with
+    `column_sums` (default: COLUMN_SUMS_TOGETHER), the column sums of their gradients that `column_sums`'s kernel
+    computes too."""
+
+    def __init__(self, column_sums: bool | None = None):
+        self.column_sums = COLUMN_SUMS_TOGETHER if column_sums is None else column_sums
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
@@ -269,35 +312,44 @@ class WeightGradientsTogether(CustomGraphPass):
         order = {node: position for position, node in enumerate(graph.nodes)}
         gradients = [gradient for _, (gradient, _) in found]
         inputs = [states for _, (_, states) in found]
+        sums = []  # (index of the gradient, the nodes computing its sum), where column_sums's kernel sums a gradient
+        if self.column_sums:
+            index_of = {gradient: index for index, gradient in reversed(list(enumerate(gradients)))}
+            for node in graph.nodes:
+                if (summed := _column_sums_operand(node)) and summed[0] in index_of:
+                    sums.append((index_of[summed[0]], summed[1]))
         last = max((*gradients, *inputs), key=order.__getitem__)
         op = torch.ops.knowgpt.transposed_products.default
+        summed = [index for index, _ in sums]
         with graph.inserting_after(last):
-            together = graph.call_function(op, (gradients, inputs))
-        together.meta["val"] = op([g.meta["val"] for g in gradients], [x.meta["val"] for x in inputs])
+            together = graph.call_function(op, (gradients, inputs, summed))
+        together.meta["val"] = op([g.meta["val"] for g in gradients], [x.meta["val"] for x in inputs], summed)
+        replaced = [(node, node.meta["val"].shape) for node, _ in found]
+        replaced += [(computed[0], computed[0].meta["val"].shape) for _, computed in sums]
         offset, previous = 0, together
-        for node, _ in found:
-            rows, cols = node.meta["val"].shape
+        for node, shape in replaced:
+            size = math.prod(shape)
             with graph.inserting_after(previous):
-                part = graph.call_function(torch.ops.aten.slice.Tensor, (together, 0, offset, offset + rows * cols))
-            part.meta["val"] = together.meta["val"][offset : offset + rows * cols]
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (together, 0, offset, offset + size))
+            part.meta["val"] = together.meta["val"][offset : offset + size]
             with graph.inserting_after(part):
-                product = graph.call_function(torch.ops.aten.view.default, (part, [rows, cols]))
-            product.meta["val"] = part.meta["val"].view(rows, cols)
-            node.replace_all_uses_with(product)
-            offset, previous = offset + rows * cols, product
-        for node, _ in found:
-            transposed = node.args[0]
-            graph.erase_node(node)
-            if not transposed.users:
-                graph.erase_node(transposed)
+                result = graph.call_function(torch.ops.aten.view.default, (part, list(shape)))
+            result.meta["val"] = part.meta["val"].view(shape)
+            node.replace_all_uses_with(result)
+            offset, previous = offset + size, result
+        unused = [node.args[0] for node, _ in found] + [node for node, _ in found]
+        unused += [node for _, computed in sums for node in computed]
+        for node in reversed(sorted(set(unused), key=order.__getitem__)):  # users before what they use
+            if not node.users:
+                graph.erase_node(node)
         stable_topological_sort(graph)  # a product's users may have come before its operands' last
         graph.lint()
 
     def uuid(self) -> str:
-        return get_hash_for_files((__file__,)).hex()
+        return get_hash_for_files((__file__,)).hex() + ("-column-sums" if self.column_sums else "")
 
     def __repr__(self) -> str:  # part of the compiled step's key (fast_path's artifacts file): the code, no address
-        return f"{type(self).__name__}({self.uuid()[:16]})"
+        return f"{type(self).__name__}({self.uuid()[:16]}, column_sums={self.column_sums})"
 
 
 __all__ = ["WeightGradientsTogether", "transposed_products"]
