@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, linear, project
+from .layers_knowgpt import KnowGPTDropout, linear, project, stacked_projection
 
 
 def _fused_kernel():
@@ -48,6 +48,12 @@ def supports_fused_attention(*args, **kwargs) -> bool:
 def fused_causal_attention(*args, **kwargs):
     return _fused_kernel().fused_causal_attention(*args, **kwargs)
 
+
+# The packed kernel handed the three projections as one stacked tensor, so that their gradients come back as one
+# instead of three concatenated after (one kernel of 5.4 µs a layer in the handout step's profile, H200,
+# benchmarks/RESULTS.md). Off until a whole run is timed with it (benchmarks/diagnostics/step_variants.py's
+# `stacked-attention-inputs`).
+STACKED_ATTENTION_INPUTS = False
 
 # Groups of rows for attention on a CPU (TokenGrid.length_groups). A packed quickstart step under bf16 (16 rows of
 # a batch's lengths) took 33.8 ms in 4 groups, 34.5 in 3, 35.0 in 2, 35.4 in 5 and 37.1 ms in one grid
@@ -402,14 +408,24 @@ class KnowGPTSelfAttention(nn.Module):
         packed_kernel = self._packed_kernel_applies(grid, context, cache)
         if not packed_kernel and self._by_length(grid, context, cache):
             return branch_output(self, self._attend_by_length(hidden_states, grid, context), context), None
-        query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
+        stacked = (
+            None  # the packed kernel's three inputs as one (STACKED_ATTENTION_INPUTS), where they are one product
+        )
+        if packed_kernel and STACKED_ATTENTION_INPUTS:
+            stacked = stacked_projection(hidden_states, (self.query, self.key, self.value))
+        if stacked is not None:
+            stacked = stacked.unflatten(-1, (self.n_head, self.head_dim))  # (tokens, 3, H, D)
+            query, key, value = stacked.unbind(-3)
+        else:
+            query, key, value = self._project(hidden_states, grid, in_grid=not packed_kernel)
         if packed_kernel and supports_fused_attention(query, key, value, None, True, seq_len=grid.seq_len):
             rotary = None
             if self.rotary:  # the kernel rotates queries and keys itself, by their index in the row
                 indices = torch.arange(grid.seq_len, device=query.device)
                 rotary = rotary_angles(indices, self.head_dim, self.config.rope_theta)
+            inputs = (query, key, value) if stacked is None else (stacked, None, None)
             attended = fused_causal_attention(
-                query, key, value, self.scale, self.dropout_p,
+                *inputs, self.scale, self.dropout_p,
                 lengths=grid.row_lengths, starts=grid.row_starts, seq_len=grid.seq_len, rotary=rotary,
             )  # fmt: skip
             return branch_output(self, attended.flatten(-2), context), None

@@ -114,6 +114,13 @@ def mlp(
     return linear(proj, activation(linear(fc, states)), bias_by_kernel=False, leave_bias_out=leave_proj_bias_out)
 
 
+def _concatenated_product(hidden_states: torch.Tensor, layers) -> torch.Tensor:
+    """Plain Linear layers of one input as one product of their concatenated weights, outputs side by side."""
+    weight = torch.cat([layer.weight for layer in layers])
+    bias = torch.cat([layer.bias for layer in layers])
+    return _linear(hidden_states, weight, bias)
+
+
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
     """Several Linear layers of one input, each output passed through `place` (say, into the (B, T) grid).
     Plain ones (`_plain`) run as one product of their concatenated weights (one kernel instead of several,
@@ -122,10 +129,18 @@ def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tenso
         place = _unchanged
     if not all(_plain(layer) for layer in layers):
         return [place(layer(hidden_states)) for layer in layers]
-    weight = torch.cat([layer.weight for layer in layers])
-    bias = torch.cat([layer.bias for layer in layers])
-    projected = place(_linear(hidden_states, weight, bias))
+    projected = place(_concatenated_product(hidden_states, layers))
     return list(projected.split([layer.out_features for layer in layers], dim=-1))
+
+
+def stacked_projection(hidden_states: torch.Tensor, layers) -> torch.Tensor | None:
+    """`project`'s one product of plain Linear layers of one width, their outputs stacked: (…, len(layers), width),
+    a view whose gradient reaches the product as it is (no concatenation of the parts' gradients); None where a
+    layer is not plain or the widths differ."""
+    width = layers[0].out_features
+    if not all(_plain(layer) and layer.out_features == width for layer in layers):
+        return None
+    return _concatenated_product(hidden_states, layers).unflatten(-1, (len(layers), width))
 
 
 def _fused_layers():

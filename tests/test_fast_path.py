@@ -23,7 +23,7 @@ from data_loaders import (
     encode_question_variants,
     generate_people,
 )
-from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast
+from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast, attention_knowgpt
 from hf_knowgpt.kernels.fused_attention import fused_attention_available
 from hf_knowgpt.training import fast_path
 from hf_knowgpt.training.arguments import TrainingArguments
@@ -579,15 +579,20 @@ def test_captured_steps_update_with_the_multi_tensor_kernels_as_with_torchs_adam
 
 @pytest.mark.skipif(not fused_attention_available(), reason="the fused kernel needs Triton and a CUDA device")
 @pytest.mark.parametrize(
-    "attention_type, fused_layers",
-    [("vanilla", False), ("rope", False), ("synthesizer", False), ("perceiver", False), ("vanilla", True)],
-)
-def test_compiled_bf16_steps_follow_the_uncompiled_ones(pretraining_data, tmp_path, attention_type, fused_layers):
+    "attention_type, fused_layers, stacked_inputs",
+    [("vanilla", False, False), ("rope", False, False), ("synthesizer", False, False), ("perceiver", False, False),
+     ("vanilla", True, False), ("vanilla", False, True), ("rope", False, True)],
+)  # fmt: skip
+def test_compiled_bf16_steps_follow_the_uncompiled_ones(
+    pretraining_data, tmp_path, attention_type, fused_layers, stacked_inputs, monkeypatch
+):
     """torch.compile changes rounding, not the function: under bf16 with the fused kernel, the compiled body's
     losses follow the uncompiled body's step by step, with the residual LayerNorm kernels too (`fused_layers`:
-    one trace for every token count all the same). (At these small sizes it passed on an H100 while the
+    one trace for every token count all the same), and with the attention's three inputs handed over as one
+    (`STACKED_ATTENTION_INPUTS`). (At these small sizes it passed on an H100 while the
     handouts' perceiver trained wrongly when compiled, because two kernel arguments shared memory: it does
     not catch that fault; `test_no_written_kernel_argument_shares_memory_with_another` does.)"""
+    monkeypatch.setattr(attention_knowgpt, "STACKED_ATTENTION_INPUTS", stacked_inputs)
     tokenizer, data = pretraining_data
     torch.manual_seed(0)
     config = tiny_config(attention_type, vocab_size=len(tokenizer), block_size=BLOCK, n_layer=4, n_head=2,

@@ -186,6 +186,35 @@ def test_packed_sequences_match_the_grid(block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_stacked_queries_keys_and_values_give_the_separate_calls_results(block_size, rotary):
+    """One (tokens, 3, H, D) tensor of queries, keys and values (key and value None) gives bit for bit the output of
+    the call with its three parts, and one gradient that stacks their three gradients (written where it lies, not
+    concatenated after), with rotary tables too."""
+    torch.manual_seed(0)
+    heads, length, head_dim, dropout_p = 2, 40, 16, 0.2
+    lengths = torch.tensor([40, 7, 25], device=DEVICE)
+    starts = lengths.cumsum(0) - lengths
+    tokens = int(lengths.sum())
+    stacked = torch.randn(tokens, 3, heads, head_dim, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    parts = [part.detach().clone().requires_grad_() for part in stacked.unbind(1)]
+    table = rotary_angles(torch.arange(length, device=DEVICE), head_dim, theta=10000.0) if rotary else None
+    options = dict(seed=torch.tensor([7], dtype=torch.int64, device=DEVICE), lengths=lengths, starts=starts)
+    options.update(seq_len=length, rotary=table)
+    out = fused_causal_attention(stacked, None, None, 0.25, dropout_p, **options)
+    expected = fused_causal_attention(*parts, 0.25, dropout_p, **options)
+    assert torch.equal(out, expected)
+    grad = torch.randn_like(out)
+    (stacked_grad,) = torch.autograd.grad(out, stacked, grad)
+    expected_grads = torch.autograd.grad(expected, parts, grad)
+    assert stacked_grad.shape == stacked.shape
+    for name, got, want in zip("qkv", stacked_grad.unbind(1), expected_grads):
+        assert torch.equal(got, want), f"gradient of {name}"
+    with pytest.raises(ValueError, match="must stack queries, keys and values of packed sequences"):
+        fused_causal_attention(stacked, None, None, 0.25)
+
+
+@needs_kernel
 def test_rotary_in_the_kernel_is_rotating_first(block_size):
     """With rotary tables the kernel gives what rotating queries and keys beforehand (the model's
     `apply_rotary`) and then attending gives, forward and backward (gradients of the unrotated inputs)."""
@@ -269,7 +298,7 @@ def test_keys_by_position_with_a_bias(block_size, packed):
 @pytest.mark.skipif(
     fused_attention.triton is None, reason="Triton is not installed (CPU builds of torch come without it)"
 )
-@pytest.mark.parametrize("call", ["grid", "packed", "packed-rotary", "grid-key-table-bias"])
+@pytest.mark.parametrize("call", ["grid", "packed", "packed-rotary", "packed-stacked", "grid-key-table-bias"])
 def test_no_written_kernel_argument_shares_memory_with_another(call):
     """torch.compile replaces each kernel argument it takes for written by a copy made before the launch
     and rebinds that argument's tensor to it, one argument after another: a tensor passed as two arguments
@@ -279,11 +308,15 @@ def test_no_written_kernel_argument_shares_memory_with_another(call):
     batch, heads, length, head_dim = 2, 2, 20, 16
     lengths = starts = rotary = bias = None
     seq_len = length
+    stacked = None
     if call.startswith("packed"):
         lengths, starts = torch.tensor([20, 15], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32)
         query, key, value = (torch.randn(35, heads, head_dim, dtype=torch.bfloat16) for _ in range(3))
         if call == "packed-rotary":
             rotary = rotary_angles(torch.arange(length), head_dim, 10000.0)
+        if call == "packed-stacked":  # one tensor in, one gradient out
+            stacked = torch.randn(35, 3, heads, head_dim, dtype=torch.bfloat16)
+            query, key, value = stacked.unbind(1)
     else:
         projected = torch.randn(batch, length, 3 * heads * head_dim, dtype=torch.bfloat16)
         query, key, value = (x.unflatten(-1, (heads, head_dim)).transpose(1, 2) for x in projected.chunk(3, -1))
@@ -292,17 +325,19 @@ def test_no_written_kernel_argument_shares_memory_with_another(call):
     cos, sin = rotary if rotary is not None else (None, None)
     seed = torch.tensor([1])
     options = (seq_len, 0.25, 0.1, 3, 16)
+    inputs = (query, key, value) if stacked is None else (stacked, None, None)
     with fused_attention.recorded_launches() as launches:
         out, out32, lse, rotated_query, rotated_key = torch.ops.knowgpt.causal_attention_forward(
-            query, key, value, seed, lengths, starts, cos, sin, bias, *options
+            *inputs, seed, lengths, starts, cos, sin, bias, *options
         )
         torch.ops.knowgpt.causal_attention_backward(
-            out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options
+            out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options, stacked is not None
         )
+    gradients = ["GRAD_Q"] if stacked is not None else ["GRAD_Q", "GRAD_K", "GRAD_V"]  # stacked: one, in GRAD_Q
     written = {
         "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
         "_correction_kernel": ["CORRECTION"],
-        "_backward_kernel": ["GRAD_Q", "GRAD_K", "GRAD_V"] + (["GRAD_BIAS"] if bias is not None else []),
+        "_backward_kernel": gradients + (["GRAD_BIAS"] if bias is not None else []),
     }
     expected = ["_forward_kernel", "_correction_kernel", "_backward_kernel"]
     assert [kernel.fn.__name__ for kernel, _ in launches] == expected
@@ -385,16 +420,23 @@ def test_dropout_mask_rate_and_freshness(uniforms_per_draw, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("attention_type", ["vanilla", "rope", "synthesizer", "perceiver"])
-def test_triton_implementation_trains_like_sdpa(attention_type, monkeypatch):
+@pytest.mark.parametrize("stacked_inputs", [False, True], ids=["three-inputs", "stacked-inputs"])
+def test_triton_implementation_trains_like_sdpa(attention_type, stacked_inputs, monkeypatch):
     """Under bf16 autocast the model's loss and gradients are as close to fp32 training's with the fused
     kernel as with SDPA's fp32 kernel (no dropout): reading the packed tokens, or (the perceiver's latent
-    blocks, 2 of its 4 layers) in the (B, H, T, D) layout."""
+    blocks, 2 of its 4 layers) in the (B, H, T, D) layout; the queries, keys and values handed over as three
+    tensors or, where told (STACKED_ATTENTION_INPUTS), as one."""
     import hf_knowgpt.attention_knowgpt as attention
 
-    kernel_calls = []
-    monkeypatch.setattr(
-        attention, "fused_causal_attention", lambda *a, **k: kernel_calls.append(k) or fused_causal_attention(*a, **k)
-    )
+    monkeypatch.setattr(attention, "STACKED_ATTENTION_INPUTS", stacked_inputs)
+    kernel_calls, stacked_calls = [], []
+
+    def recorded(*arguments, **options):
+        kernel_calls.append(options)
+        stacked_calls.append(arguments[1] is None)  # queries, keys and values in one tensor
+        return fused_causal_attention(*arguments, **options)
+
+    monkeypatch.setattr(attention, "fused_causal_attention", recorded)
     torch.manual_seed(0)
     config = KnowGPTConfig(
         vocab_size=60, n_layer=4 if attention_type == "perceiver" else 2, n_head=4, n_embd=64, block_size=48,
@@ -426,6 +468,9 @@ def test_triton_implementation_trains_like_sdpa(attention_type, monkeypatch):
         assert len(kernel_calls) == config.n_layer - 2 and not any("starts" in call for call in kernel_calls)
     else:
         assert len(kernel_calls) == config.n_layer and all("starts" in call for call in kernel_calls)  # packed
+        # where told, one projection's three outputs stacked, except the synthesizer's keys by position
+        stacks = stacked_inputs and attention_type in ("vanilla", "rope")
+        assert all(stacked_calls) == stacks and any(stacked_calls) == stacks
     assert fused[1] < 0.02  # what bf16 projections cost: ~1% of the gradient
     assert fused[0] <= 2 * sdpa[0] + 1e-4 and fused[1] <= 1.5 * sdpa[1], errors
 

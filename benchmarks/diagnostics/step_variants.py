@@ -70,7 +70,9 @@ tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`), that with the tokens in two parts
 (`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that without the bias gradients, left to
-`column_sums`'s kernels (`weight-gradients-together-without-sums`, `grouped_products.COLUMN_SUMS_TOGETHER`); the update's gradients concatenated into one
+`column_sums`'s kernels (`weight-gradients-together-without-sums`, `grouped_products.COLUMN_SUMS_TOGETHER`); the
+attention kernel handed the queries, keys and values as one stacked tensor, their gradients written as one instead of
+concatenated after (`stacked-attention-inputs`, `attention_knowgpt.STACKED_ATTENTION_INPUTS`); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
 65,536 parameters per multiprocessor (`multi-tensor-update-at-any-size`, `multi_tensor_adamw.multi_tensor_adamw_pays`;
@@ -168,6 +170,9 @@ VARIANTS = {
         "weight_gradients_together": True,
         "grouped_products": {"COLUMN_SUMS_TOGETHER": False},
     },
+    # the attention kernel handed one projection's queries, keys and values as one tensor, their gradients written as
+    # one (attention_knowgpt.STACKED_ATTENTION_INPUTS)
+    "stacked-attention-inputs": {"attention_knowgpt": {"STACKED_ATTENTION_INPUTS": True}},
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
@@ -201,10 +206,11 @@ def write_inductor_counters(output_dir: Path) -> None:
 
 def setting_modules() -> dict:
     """The modules whose settings a variant may set, by the keys of VARIANTS that name them."""
-    from hf_knowgpt import layers_knowgpt
+    from hf_knowgpt import attention_knowgpt, layers_knowgpt
     from hf_knowgpt.kernels import fused_attention, fused_layers, grouped_products, multi_tensor_adamw
 
     return {
+        "attention_knowgpt": attention_knowgpt,
         "fused_attention": fused_attention,
         "fused_layers": fused_layers,
         "grouped_products": grouped_products,

@@ -369,12 +369,17 @@ if triton is not None:
         SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
-        PRECOMPUTED: tl.constexpr, INTERPRETED: tl.constexpr,
+        PRECOMPUTED: tl.constexpr, PART_STRIDE: tl.constexpr, INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """Block i of one (batch, head): the gradients of keys and values i (over the query blocks that see
         them), then of queries i (over the key blocks they see), so no two programs write one gradient.
         With ROTARY, Q and K are the forward pass's rotated copies. With KEY_TABLE, each program writes its
-        share of the keys' gradient (and with HAS_BIAS of the bias's) for the caller to sum."""
+        share of the keys' gradient (and with HAS_BIAS of the bias's) for the caller to sum. With PART_STRIDE,
+        GRAD_Q is one stacked gradient of queries, keys and values, the keys' PART_STRIDE elements after the
+        queries' and the values' as many after the keys' (GRAD_K and GRAD_V are not read)."""
+        if PART_STRIDE > 0:
+            GRAD_K = GRAD_Q + PART_STRIDE
+            GRAD_V = GRAD_Q + 2 * PART_STRIDE
         block, program = tl.program_id(0), tl.program_id(1)
         b, h = program // n_head, program % n_head
         length, start, limit = _sequence(LENGTHS, STARTS, b, seq_len, HAS_LENGTHS, PACKED)
@@ -440,7 +445,9 @@ if triton is not None:
             grid_strides = lambda tensor: (0, tensor.stride(1), tensor.stride(0), tensor.stride(2))  # noqa: E731
         return shape, lambda tensor: (0, 0, *tensor.stride()) if tensor.dim() == 2 else grid_strides(tensor)
 
-    def _launch(kernel, shape, lengths, starts, rotary, key_table, bias, scale, dropout_p, splits, block_size):
+    def _launch(
+        kernel, shape, lengths, starts, rotary, key_table, bias, scale, dropout_p, splits, block_size, part_stride=0
+    ):
         """The kernel over a grid of (block, batch·head) programs, with those of the shared options it takes."""
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
@@ -449,7 +456,7 @@ if triton is not None:
             SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
             SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
             KEY_TABLE=key_table, HAS_BIAS=bias is not None, UNIFORMS=UNIFORMS_PER_DRAW,
-            PRECOMPUTED=PRECOMPUTED_CORRECTION, INTERPRETED=_interpreted(),
+            PRECOMPUTED=PRECOMPUTED_CORRECTION, PART_STRIDE=part_stride, INTERPRETED=_interpreted(),
         )  # fmt: skip
         options = {name: value for name, value in options.items() if name in kernel.arg_names}
         backward = kernel is _backward_kernel
@@ -477,8 +484,8 @@ if triton is not None:
     @torch.library.triton_op("knowgpt::causal_attention_forward", mutates_args=())
     def _causal_attention_forward(
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         seed: torch.Tensor,
         lengths: torch.Tensor | None,
         starts: torch.Tensor | None,
@@ -491,7 +498,10 @@ if triton is not None:
         splits: int,
         block_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The output, its fp32 copy, the log-sum-exp, and rotated copies of query and key (empty without rotary)."""
+        """The output, its fp32 copy, the log-sum-exp, and rotated copies of query and key (empty without rotary).
+        Without key and value, `query` holds queries, keys and values stacked: (tokens, 3, H, D)."""
+        if key is None:
+            query, key, value = query.unbind(1)
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
         rotary = cos is not None
@@ -532,21 +542,37 @@ if triton is not None:
         dropout_p: float,
         splits: int,
         block_size: int,
+        stacked: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of query, key, value and bias (empty without one); with rotary tables, `query` and `key`
-        are the forward pass's rotated copies."""
+        are the forward pass's rotated copies. `stacked` (packed tokens): one (tokens, 3, H, D) gradient of all
+        three, in the query's place (the keys' and values' empty), written by the kernel where it lies; for a
+        stacked input, where separate ones would be concatenated after."""
         shape, strides = _layout(query, starts, seq_len)
         batch, heads, length, head_dim = shape
         key_table = key.dim() == 2
         block_size = BACKWARD_BLOCK_SIZE or block_size
         grad_out = grad_out.to(query.dtype)
-        grad_q, grad_v = torch.empty_like(query), torch.empty_like(value)
-        # A shared table's gradient sums every sequence's and head's share: each program writes its own.
-        grad_k = torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
+        part_stride = 0
+        if stacked:
+            grad_q = query.new_empty(query.shape[0], 3, *query.shape[1:])
+            part_stride = grad_q.stride(1)
+            gradient_strides = strides(grad_q[:, 0]) * 3
+            grad_k, grad_v = (value.new_empty(0) for _ in range(2))
+        else:
+            grad_q, grad_v = torch.empty_like(query), torch.empty_like(value)
+            # A shared table's gradient sums every sequence's and head's share: each program writes its own.
+            grad_k = (
+                torch.empty(batch, heads, length, head_dim, device=key.device) if key_table else torch.empty_like(key)
+            )
+            gradient_strides = (
+                *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v)
+            )  # fmt: skip
         grad_bias = torch.empty(batch * heads, length, device=key.device) if bias is not None else key.new_empty(0)
         launch = lambda kernel: _launch(  # noqa: E731
-            kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits, block_size
-        )
+            kernel, shape, lengths, starts, cos is not None, key_table, bias, scale, dropout_p, splits, block_size,
+            part_stride,
+        )  # fmt: skip
         correction = None
         if PRECOMPUTED_CORRECTION:
             correction = torch.empty(batch * heads, length, device=query.device, dtype=torch.float32)
@@ -556,9 +582,9 @@ if triton is not None:
         launch(_backward_kernel)(
             query, key, value, *_pointers(query.device, None if PRECOMPUTED_CORRECTION else out32, correction),
             grad_out, lse, seed, *_pointers(query.device, lengths, starts, cos, sin, bias),
-            grad_q, grad_k, grad_v, *_pointers(query.device, grad_bias if bias is not None else None),
-            *strides(query), *strides(key), *strides(value), *strides(grad_out),
-            *strides(grad_q), *(grad_k.stride() if key_table else strides(grad_k)), *strides(grad_v),
+            grad_q, *(_pointers(query.device, None, None) if stacked else (grad_k, grad_v)),
+            *_pointers(query.device, grad_bias if bias is not None else None),
+            *strides(query), *strides(key), *strides(value), *strides(grad_out), *gradient_strides,
         )  # fmt: skip
         if key_table:
             grad_k = grad_k.sum((0, 1)).to(key.dtype)
@@ -567,6 +593,9 @@ if triton is not None:
 
     def _setup_context(ctx, inputs, output):
         query, key, value, seed, lengths, starts, cos, sin, bias, *options = inputs
+        ctx.stacked = key is None
+        if ctx.stacked:
+            query, key, value = query.unbind(1)
         _, out32, lse, rotated_query, rotated_key = output
         if cos is not None:  # the backward pass reads the rotated copies instead
             query, key = rotated_query, rotated_key
@@ -577,8 +606,10 @@ if triton is not None:
     def _backward(ctx, grad_out, *unused_grads):
         query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_bias = _causal_attention_backward(
-            grad_out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *ctx.options
+            grad_out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *ctx.options, ctx.stacked
         )
+        if ctx.stacked:  # the stacked input's gradient; its key and value were None
+            grad_k = grad_v = None
         # No gradients for the seed, lengths, starts, rotary tables and the options.
         return grad_q, grad_k, grad_v, *[None] * 5, grad_bias if bias is not None else None, *[None] * 5
 
@@ -623,10 +654,22 @@ def fused_causal_attention(
 
     Keys by position (the synthesizer's): `key` may be a (T', D) table, T' ≥ T, whose row t is the key of
     position t in every sequence and head; its gradient sums theirs. `bias` (optional, T' values): added to
-    the score of every key at position t (computed in fp32), with its gradient."""
+    the score of every key at position t (computed in fp32), with its gradient.
+
+    Stacked (packed sequences only): with `key` and `value` None, `query` is (tokens, 3, H, D), queries, keys and
+    values stacked, as one projection of the three gives them; its gradient is written as one tensor, where three
+    separate ones would be concatenated after."""
     packed = starts is not None or seq_len is not None
     if packed and (starts is None or seq_len is None or lengths is None):
         raise ValueError("packed sequences need all of lengths, starts and seq_len")
+    stacked = query if key is None and value is None else None
+    if stacked is not None:
+        if not packed or query.dim() != 4 or query.shape[1] != 3:
+            raise ValueError(
+                "without key and value, query must stack queries, keys and values of packed sequences: "
+                f"(tokens, 3, H, D) with lengths, starts and seq_len; got {tuple(query.shape)}"
+            )
+        query, key, value = stacked.unbind(1)
     if not supports_fused_attention(query, key, value, None, True, seq_len=seq_len if packed else None):
         layout = f"(tokens, H, D) with seq_len ≤ {MAX_SEQ_LEN}" if packed else f"(B, H, T ≤ {MAX_SEQ_LEN}, D)"
         raise ValueError(
@@ -678,9 +721,10 @@ def fused_causal_attention(
                 f"got shape {tuple(bias.shape)} on {bias.device}"
             )
         bias = bias[:seq_len].float()
+    inputs = (query, key, value) if stacked is None else (stacked, None, None)
     out, *_ = _causal_attention_forward(
-        query, key, value, seed, lengths, starts, cos, sin, bias, seq_len,
-        float(scale), float(dropout_p), int(splits), int(block_size),
+        *inputs, seed, lengths, starts, cos, sin, bias, seq_len, float(scale), float(dropout_p), int(splits),
+        int(block_size),
     )  # fmt: skip
     return out
 
