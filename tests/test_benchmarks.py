@@ -192,6 +192,22 @@ def test_step_variants_module_settings_name_what_the_modules_have():
     }  # fmt: skip
 
 
+def test_step_variants_combine_with_a_plus():
+    """`a+b` sets both variants' settings; parts that set one thing two ways, or a part that is no variant, are
+    errors (a silent choice would time something else than the name says)."""
+    both = step_variants.variant_settings("weight-gradients-together-splits2+stacked-attention-inputs")
+    assert both["weight_gradients_together"] is True and both["grouped_products"] == {"SPLITS": 2}
+    assert both["attention_knowgpt"] == {"STACKED_ATTENTION_INPUTS": True}
+    assert step_variants.variant_settings("eager-batch+eager-clip")["uncompiled"] == (
+        "compiled_device_batch", "compiled_clip_and_rate"
+    )  # fmt: skip
+    assert step_variants.variant_settings("as-is") == {}
+    with pytest.raises(ValueError, match="set fused_attention DEFAULT_SPLITS differently"):
+        step_variants.variant_settings("splits1+splits3")
+    with pytest.raises(ValueError, match="unknown variant no-such"):
+        step_variants.variant_settings("as-is+no-such")
+
+
 def test_step_variants_can_leave_the_compiler_keys_to_the_loading(monkeypatch):
     """`compiler-keys-when-loaded`: no stage starts the thread that computes torch's and Triton's digests."""
     from hf_knowgpt.commands import cli

@@ -9,7 +9,7 @@ that found every kernel's tuned configuration kept) printed last.
         --recipe handout --attention_type vanilla --data_dir .data --mixed_precision bf16 --torch_compile
 
 Each run is `scripts/train.py` with the flags after `--`, its own `--seed` and `--output_dir`, the variant set
-before the command starts (`--run_one`). Each variant has its own TorchInductor, Triton and package (compiled
+before the command starts (`--run_one`); `a+b` names the variants a and b set together. Each variant has its own TorchInductor, Triton and package (compiled
 artifacts) caches, empty before its first run: a variant's first seed runs cold, the others warm (`--caches
 DIR` keeps them under DIR, where other runs of this script find them). `compare_accuracy.py` reads the JSON
 files of several such runs and compares the accuracy of groups of them. `--output` is written again after each
@@ -219,12 +219,35 @@ def setting_modules() -> dict:
     }
 
 
+def variant_settings(variant: str) -> dict:
+    """A variant's settings; `a+b` names the variants a and b together: their module settings, inductor options and
+    environments merged, their flags and uncompiled parts joined. Two parts that set one thing differently are an
+    error, not a silent choice."""
+    parts = variant.split("+")
+    if unknown := [part for part in parts if part not in VARIANTS]:
+        raise ValueError(f"unknown variant {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
+    merged = {}
+    for part in parts:
+        for key, value in VARIANTS[part].items():
+            if key not in merged:
+                merged[key] = value
+            elif isinstance(value, dict) and isinstance(merged[key], dict):
+                if clash := [name for name in value if name in merged[key] and merged[key][name] != value[name]]:
+                    raise ValueError(f"variant {variant}: its parts set {key} {', '.join(clash)} differently")
+                merged[key] = {**merged[key], **value}
+            elif isinstance(value, (list, tuple)) and isinstance(merged[key], (list, tuple)):
+                merged[key] = (*merged[key], *value)
+            elif merged[key] != value:
+                raise ValueError(f"variant {variant}: its parts set {key} differently")
+    return merged
+
+
 def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.training import trainer
     from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options
 
-    settings = VARIANTS[variant]
+    settings = variant_settings(variant)
     inductor_options = settings.get("inductor", {})
     if unknown := inductor_options.keys() - known_inductor_options(inductor_options).keys():
         raise SystemExit(f"variant {variant}: this torch's inductor has no option {', '.join(sorted(unknown))}")
@@ -303,7 +326,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    parser.add_argument("--variants", default="splits3,splits1", help=f"from {', '.join(VARIANTS)}, in order")
+    parser.add_argument(
+        "--variants",
+        default="splits3,splits1",
+        help=f"from {', '.join(VARIANTS)}, in order; a+b runs the variants a and b together",
+    )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--output", default=None, help="write the runs as JSON here (again after each run)")
     parser.add_argument(
@@ -323,7 +350,7 @@ def parse_args(argv=None):
     parser.add_argument(
         "--processes", type=int, default=1, help="more than 1: each run under `accelerate launch --multi_gpu`"
     )
-    parser.add_argument("--run_one", choices=list(VARIANTS), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run_one", default=None, help=argparse.SUPPRESS)
     args, train_args = parser.parse_known_args(argv)
     return parser, args, [a for a in train_args if a != "--"]
 
@@ -333,8 +360,11 @@ def main(argv=None):
     if args.run_one is not None:
         return run_one(args.run_one, train_args)
     variants = args.variants.split(",")
-    if unknown := set(variants) - set(VARIANTS):
-        parser.error(f"unknown --variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    for variant in variants:
+        try:
+            variant_settings(variant)
+        except ValueError as error:
+            parser.error(f"--variants: {error}")
     precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
     work = Path(tempfile.mkdtemp(prefix="knowgpt-step-variants-"))
     runs, began = [], time.perf_counter()
@@ -354,7 +384,8 @@ def main(argv=None):
         command += ["--output_dir", str(output_dir)]
         started, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
         started_wall = time.time()  # the timeline's marks are wall clock
-        subprocess.run(command, check=True, env={**os.environ, **caches, **VARIANTS[variant].get("env", {})})
+        environment = {**os.environ, **caches, **variant_settings(variant).get("env", {})}
+        subprocess.run(command, check=True, env=environment)
         seconds, ended_wall = time.perf_counter() - started, time.time()
         faults = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults
         summary = json.loads((output_dir / "results.json").read_text())
@@ -384,13 +415,14 @@ def main(argv=None):
         print(json.dumps(runs[-1]), flush=True)
         if args.output:  # after each run, so that a run cut short leaves those before it
             write_json_atomic(args.output, runs)
+    width = max([20] + [len(run["variant"]) + 2 for run in runs])
     print(
-        f"\n{'variant':<20}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'graphs':>8}"
+        f"\n{'variant':<{width}}{'seed':>6}{'dev %':>8}{'final loss':>12}{'capture s':>11}{'graphs':>8}"
         f"{'first s':>9}{'load s':>8}{'steps s':>9}{'exit s':>8}{'process s':>11}{'less steps':>12}{'page faults':>13}{'tuned':>7}"
     )
     for run in runs:
         print(
-            f"{run['variant']:<20}{run['seed']:>6}{100 * run['dev_accuracy']:>8.1f}{run['final_loss']:>12.3f}"
+            f"{run['variant']:<{width}}{run['seed']:>6}{100 * run['dev_accuracy']:>8.1f}{run['final_loss']:>12.3f}"
             f"{run['pretrain_capture_s']:>11.1f}{run['pretrain_graphs']:>8}{run['pretrain_first_capture_s']:>9.1f}"
             f"{run['pretrain_load_s']:>8.2f}{run['pretrain_steps_s']:>9.1f}{run['exit_s']:>8.2f}{run['process_s']:>11.1f}"
             f"{run['process_less_steps_s']:>12.1f}{run['page_faults']:>13,}{run['coordesc_benchmarks']:>7}"
