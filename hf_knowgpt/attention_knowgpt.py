@@ -408,9 +408,8 @@ class KnowGPTSelfAttention(nn.Module):
         packed_kernel = self._packed_kernel_applies(grid, context, cache)
         if not packed_kernel and self._by_length(grid, context, cache):
             return branch_output(self, self._attend_by_length(hidden_states, grid, context), context), None
-        stacked = (
-            None  # the packed kernel's three inputs as one (STACKED_ATTENTION_INPUTS), where they are one product
-        )
+        # The packed kernel's three inputs as one tensor (STACKED_ATTENTION_INPUTS), where they are one product.
+        stacked = None
         if packed_kernel and STACKED_ATTENTION_INPUTS:
             stacked = stacked_projection(hidden_states, (self.query, self.key, self.value))
         if stacked is not None:
