@@ -15,11 +15,12 @@ last of their operands is computed, its flat fp32 result viewed as each product'
 also takes the `column_sums` of those gradients into the call. That op's kernel gives every program one tile of one
 product, or one block of one gradient's column sums, after all tiles, over one part of the tokens (`SPLITS` parts,
 summed after in a fixed order: no atomics, so a seeded run repeats); it reaches each product's operands through the
-tuple of tensors it is handed (no table of addresses, so a captured CUDA graph replays it as it is). Where the kernel does not apply (no Triton, a CPU
-tensor without Triton's interpreter, operands not contiguous or not 16-aligned) the op runs the products in torch.
+tuple of tensors it is handed (no table of addresses, so a captured CUDA graph replays it as it is). Where the kernel
+does not apply (no Triton, a CPU tensor without Triton's interpreter, operands not contiguous or not 16-aligned) the
+op runs the products and sums in torch.
 
 Off until a whole run shows it pays (`GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`; `benchmarks/diagnostics/
-step_variants.py --variants as-is,weight-gradients-together`).
+step_variants.py --variants as-is,weight-gradients-together,weight-gradients-together-without-sums`).
 """
 
 import math
