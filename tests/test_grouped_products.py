@@ -63,7 +63,8 @@ def test_the_kernel_computes_every_product_of_one_launch(monkeypatch, tokens, bl
     tile), the tokens whole or in parts, uneven ones and one with no tokens at all included; with some gradients'
     column sums after them (blocks of columns that do not fill a block, a gradient summed that is not the first)."""
     block_m, block_n, block_k = blocks
-    for name, value in dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, NUM_STAGES=1).items():
+    settings = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=splits, NUM_STAGES=1)
+    for name, value in dict(settings, SUM_BLOCK_TOKENS=2 * block_k).items():  # loads that overrun a part's end
         monkeypatch.setattr(grouped_products, name, value)
     launched = []
     monkeypatch.setattr(grouped_products, "_products_in_torch", lambda *_: launched.append("torch"))

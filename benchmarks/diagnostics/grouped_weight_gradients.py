@@ -13,7 +13,8 @@ TFLOP/s of the products and the largest error against fp64 is printed last.
     python benchmarks/diagnostics/grouped_weight_gradients.py
     python benchmarks/diagnostics/grouped_weight_gradients.py --configs 128x128x64-1-8-3,128x64x64-2-4-4
 
-A configuration is BLOCK_MxBLOCK_NxBLOCK_K-SPLITS-NUM_WARPS-NUM_STAGES, the module's settings of those names.
+A configuration is BLOCK_MxBLOCK_NxBLOCK_K-SPLITS-NUM_WARPS-NUM_STAGES, the module's settings of those names; the
+first is also timed with the column sums' loads of 64 and 256 tokens (`SUM_BLOCK_TOKENS`).
 """
 
 import argparse
@@ -80,6 +81,9 @@ def main():
     ways += [(f"one launch, {config}", one_launch, settings(config), exact) for config in configs]
     ways += [(f"cuBLAS + {len(summed)} column_sums", one_after_another_and_sums, {}, exact_with_sums)]
     ways += [(f"one launch + sums, {c}", one_launch_with_sums, settings(c), exact_with_sums) for c in configs]
+    for tokens in (64, 256):  # the sums' loads smaller and larger than the module's SUM_BLOCK_TOKENS
+        each = dict(settings(configs[0]), SUM_BLOCK_TOKENS=tokens)
+        ways.append((f"one launch + sums, {configs[0]}, {tokens} a load", one_launch_with_sums, each, exact_with_sums))
     table = []
     for name, products, module_settings, exact_result in ways:
         patched = mock.patch.multiple(grouped_products, **module_settings) if module_settings else nullcontext()
@@ -97,12 +101,13 @@ def main():
         f"\n{torch.cuda.get_device_name()}: the {LAYERS * len(SHAPES)} weight-gradient products of a step, {TOKENS} "
         f"tokens, µs per step from one CUDA graph replayed {REPLAYS} times"
     )
-    print(f"{'way':<40} {'µs':>8} {'TFLOP/s':>8}  largest error / largest element")
+    width = max(len(name) for name, *_ in table) + 2
+    print(f"{'way':<{width}} {'µs':>8} {'TFLOP/s':>8}  largest error / largest element")
     for name, microseconds, tflops, error in table:
         if microseconds is None:
-            print(f"{name:<40} {'–':>8} {'–':>8}  {error}")
+            print(f"{name:<{width}} {'–':>8} {'–':>8}  {error}")
         else:
-            print(f"{name:<40} {microseconds:8.1f} {tflops:8.0f}  {error}")
+            print(f"{name:<{width}} {microseconds:8.1f} {tflops:8.0f}  {error}")
 
 
 if __name__ == "__main__":

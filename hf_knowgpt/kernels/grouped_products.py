@@ -42,6 +42,9 @@ OPERAND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: the int
 # The pass also takes into the launch the column sums that `column_sums.column_sums` computes with a kernel of its own
 # (the wide linear layers' bias gradients) where their gradient is one of the products'.
 COLUMN_SUMS_TOGETHER = True
+# Tokens per load of a column-sum block: its loop is not pipelined as the products' is, so each load is made large
+# enough to keep the memory busy (8 loads of 16 bytes a thread in flight at BLOCK_M 128 and 8 warps).
+SUM_BLOCK_TOKENS = 128
 
 
 if triton is not None:
@@ -89,7 +92,7 @@ if triton is not None:
     def _column_sum_block(
         block, begin, end, GRADIENTS, out, OUT_FEATURES: tl.constexpr, SUMMED: tl.constexpr,
         FIRST_SUM_BLOCKS: tl.constexpr, SUM_OFFSETS: tl.constexpr, SUMS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, SUM_BLOCK_TOKENS: tl.constexpr,
     ):  # fmt: skip
         """Block `block` of BLOCK_M columns of gradient SUMMED[s], s the last FIRST_SUM_BLOCKS at or below it:
         out[SUM_OFFSETS[s] + column] = Σ over tokens [begin, end) of gradient[token, column]."""
@@ -102,9 +105,9 @@ if triton is not None:
             first_block = tl.where(later, FIRST_SUM_BLOCKS[summed], first_block)
             offset = tl.where(later, SUM_OFFSETS[summed], offset)
         columns = (block - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
-        total = tl.zeros((BLOCK_K, BLOCK_M), tl.float32)
-        for start in range(begin, end, BLOCK_K):
-            token = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        total = tl.zeros((SUM_BLOCK_TOKENS, BLOCK_M), tl.float32)
+        for start in range(begin, end, SUM_BLOCK_TOKENS):
+            token = (start + tl.arange(0, SUM_BLOCK_TOKENS)).to(tl.int64)
             mask = (token[:, None] < end) & (columns[None, :] < width)
             total += tl.load(gradient + token[:, None] * width + columns[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(out + offset + columns, tl.sum(total, 0), mask=columns < width)
@@ -116,7 +119,7 @@ if triton is not None:
         TILE_COLUMNS: tl.constexpr, OFFSETS: tl.constexpr, PRODUCTS: tl.constexpr, PRODUCT_TILES: tl.constexpr,
         SUMMED: tl.constexpr, FIRST_SUM_BLOCKS: tl.constexpr, SUM_OFFSETS: tl.constexpr, SUMS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr,
-        EVEN: tl.constexpr,
+        EVEN: tl.constexpr, SUM_BLOCK_TOKENS: tl.constexpr,
     ):  # fmt: skip
         """Program p takes work item p // SPLITS over token part p % SPLITS, writing to OUT + part · split_stride:
         below PRODUCT_TILES a product's tile, from there on a block of a gradient's column sums (SUMS of them; none:
@@ -141,7 +144,7 @@ if triton is not None:
         else:
             _column_sum_block(
                 item - PRODUCT_TILES, begin, end, GRADIENTS, out, OUT_FEATURES, SUMMED, FIRST_SUM_BLOCKS,
-                SUM_OFFSETS, SUMS, BLOCK_M, BLOCK_K,
+                SUM_OFFSETS, SUMS, BLOCK_M, SUM_BLOCK_TOKENS,
             )  # fmt: skip
 
 
@@ -222,8 +225,8 @@ def transposed_products(
         OUT_FEATURES=out_features, IN_FEATURES=in_features, FIRST_TILES=tuple(first_tiles), TILE_COLUMNS=tile_columns,
         OFFSETS=tuple(offsets), PRODUCTS=len(gradients), PRODUCT_TILES=tiles, SUMMED=tuple(summed) or (0,),
         FIRST_SUM_BLOCKS=tuple(first_sum_blocks) or (0,), SUM_OFFSETS=tuple(sum_offsets) or (0,), SUMS=len(summed),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLITS=SPLITS, EVEN=even, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SPLITS=SPLITS, EVEN=even,
+        SUM_BLOCK_TOKENS=SUM_BLOCK_TOKENS, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out if SPLITS == 1 else out.view(SPLITS, total).sum(0)
 
