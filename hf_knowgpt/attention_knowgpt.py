@@ -53,7 +53,7 @@ def fused_causal_attention(*args, **kwargs):
 # instead of three concatenated after (one kernel of 5.4 µs a layer in the handout step's profile, H200,
 # benchmarks/RESULTS.md). Off until a whole run is timed with it (benchmarks/diagnostics/step_variants.py's
 # `stacked-attention-inputs`).
-STACKED_ATTENTION_INPUTS = False
+STACKED_ATTENTION_INPUTS = True
 
 # Groups of rows for attention on a CPU (TokenGrid.length_groups). A packed quickstart step under bf16 (16 rows of
 # a batch's lengths) took 33.8 ms in 4 groups, 34.5 in 3, 35.0 in 2, 35.4 in 5 and 37.1 ms in one grid

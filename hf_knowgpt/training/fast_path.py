@@ -257,7 +257,7 @@ class GraphedStepper:
     # A compiled step's weight-gradient products taken together at the end of its backward pass, in one launch
     # (`kernels.grouped_products.WeightGradientsTogether`, a pass over inductor's backward graph). Off until a whole
     # run is timed with it (benchmarks/diagnostics/step_variants.py's `weight-gradients-together`).
-    WEIGHT_GRADIENTS_TOGETHER = False
+    WEIGHT_GRADIENTS_TOGETHER = True
     # Packed steps made ready on the host this many at a time (`packed_steps.plan_packed_steps`).
     PLANNED_STEPS = 64
 
