@@ -458,8 +458,8 @@ def test_a_later_compiled_step_loads_what_an_earlier_one_traced(pretraining_data
     assert first_stats["unique_graphs"] == 3 and first_entries == later_entries == [1, 1, 1]
     assert later_stats.get("calls_captured", 0) == 0, later_stats
     # Not bit for bit: bf16 sums on CPU threads; on a GPU, run after the file's other tests, one loss of the two
-    # steppers differed by 1.2e-5 of itself (H100, 2026-12-05), alone not at all: the products' algorithms that
-    # cuBLAS picks may differ. A wrong or stale step moves them by far more.
+    # steppers differed by 1.2e-5 of itself (H100, 2026-12-05), run alone by less than 1e-5: the algorithms that
+    # cuBLAS picks for the products may differ. A wrong or stale step moves them by far more.
     assert later_losses == pytest.approx(first_losses, rel=1e-4)
 
 
