@@ -50,9 +50,9 @@ def fused_causal_attention(*args, **kwargs):
 
 
 # The packed kernel handed the three projections as one stacked tensor, so that their gradients come back as one
-# instead of three concatenated after (one kernel of 5.4 µs a layer in the handout step's profile, H200,
-# benchmarks/RESULTS.md). Off until a whole run is timed with it (benchmarks/diagnostics/step_variants.py's
-# `stacked-attention-inputs`).
+# instead of three concatenated after (one kernel of 5.4 µs a layer in the handout step's profile, H200): with the
+# weight gradients taken together, the handout recipe's steps 19.4-19.8 s against 19.8-20.1 s, three pairs side by
+# side on an H100 (benchmarks/RESULTS.md, step_variants.py's `stacked-attention-inputs`).
 STACKED_ATTENTION_INPUTS = True
 
 # Groups of rows for attention on a CPU (TokenGrid.length_groups). A packed quickstart step under bf16 (16 rows of

@@ -254,9 +254,10 @@ class GraphedStepper:
     # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
     # The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s (H200, benchmarks/RESULTS.md).
     MULTI_TENSOR_UPDATE = True
-    # A compiled step's weight-gradient products taken together at the end of its backward pass, in one launch
-    # (`kernels.grouped_products.WeightGradientsTogether`, a pass over inductor's backward graph). Off until a whole
-    # run is timed with it (benchmarks/diagnostics/step_variants.py's `weight-gradients-together`).
+    # A compiled step's weight-gradient products, and the wide layers' bias gradients, taken together at the end of
+    # its backward pass, in one launch (`kernels.grouped_products.WeightGradientsTogether`, a pass over inductor's
+    # backward graph): the handout recipe's steps 19.8-20.1 s against 22.0-22.4 s, three pairs side by side on an
+    # H100 (benchmarks/RESULTS.md, step_variants.py's `weight-gradients-together`).
     WEIGHT_GRADIENTS_TOGETHER = True
     # Packed steps made ready on the host this many at a time (`packed_steps.plan_packed_steps`).
     PLANNED_STEPS = 64
