@@ -239,15 +239,18 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
 
 
 def test_the_graphed_step_compiles_with_the_pass_only_where_told(monkeypatch):
-    """Off by default; on, the compiled step's inductor options carry the pass, and their text (the compiled step's
-    key) is the same in every process."""
+    """On by default: the compiled step's inductor options carry the pass, with the column sums as the module says,
+    and their text (the compiled step's key) is the same in every process; off, they do not."""
     from hf_knowgpt.training.fast_path import GraphedStepper
 
-    assert "post_grad_custom_post_pass" not in GraphedStepper.inductor_options()
-    monkeypatch.setattr(GraphedStepper, "WEIGHT_GRADIENTS_TOGETHER", True)
     options = GraphedStepper.inductor_options()
-    assert isinstance(options["post_grad_custom_post_pass"], WeightGradientsTogether)
+    assert options["post_grad_custom_post_pass"] == WeightGradientsTogether(column_sums=True)
     assert json.dumps(options, default=str) == json.dumps(GraphedStepper.inductor_options(), default=str)
+    monkeypatch.setattr(grouped_products, "COLUMN_SUMS_TOGETHER", False)
+    without_sums = GraphedStepper.inductor_options()["post_grad_custom_post_pass"]
+    assert without_sums == WeightGradientsTogether(column_sums=False) != options["post_grad_custom_post_pass"]
+    monkeypatch.setattr(GraphedStepper, "WEIGHT_GRADIENTS_TOGETHER", False)
+    assert "post_grad_custom_post_pass" not in GraphedStepper.inductor_options()
 
 
 class _Fp32WeightGradientLinear(torch.autograd.Function):

@@ -357,5 +357,11 @@ class WeightGradientsTogether(CustomGraphPass):
     def __repr__(self) -> str:  # part of the compiled step's key (fast_path's artifacts file): the code, no address
         return f"{type(self).__name__}({self.uuid()[:16]}, column_sums={self.column_sums})"
 
+    def __eq__(self, other) -> bool:  # the same code and settings: the same pass (options compare equal)
+        return isinstance(other, WeightGradientsTogether) and other.uuid() == self.uuid()
+
+    def __hash__(self) -> int:
+        return hash(self.uuid())
+
 
 __all__ = ["WeightGradientsTogether", "transposed_products"]
