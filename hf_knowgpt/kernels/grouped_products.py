@@ -31,7 +31,8 @@ import warnings
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .column_sums import weight_gradient
+from . import column_sums as column_sums_kernels
+from .column_sums import column_sums, weight_gradient
 from .fused_attention import _interpreted, triton
 
 if triton is not None:
@@ -169,7 +170,7 @@ def _products_in_torch(gradients, inputs, summed) -> torch.Tensor:
         products = [weight_gradient(g, x, in_fp32=True) for g, x in zip(gradients, inputs)]
     else:  # torch.mm takes out_dtype on CUDA only
         products = [g.t().float() @ x.float() for g, x in zip(gradients, inputs)]
-    sums = [gradients[index].sum(0, dtype=torch.float32) for index in summed]
+    sums = [column_sums(gradients[index]) for index in summed]  # as the linear layers sum them
     return torch.cat([product.flatten() for product in products] + sums)
 
 
@@ -290,10 +291,8 @@ def _column_sums_operand(node: torch.fx.Node):
         return None
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    from . import column_sums
-
     kernel = kernel_side_table.get_kernel(wrapper.kwargs["kernel_idx"])
-    strip_sums = getattr(column_sums, "_strip_sums", None)
+    strip_sums = getattr(column_sums_kernels, "_strip_sums", None)
     if strip_sums is None or not (kernel is strip_sums or getattr(kernel, "fn", None) is strip_sums):
         return None  # (inductor keeps a user's kernel wrapped in an autotuner, `fn` the kernel itself)
     arguments = wrapper.kwargs["kwargs"]
