@@ -28,12 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
+from benchmarks.diagnostics.weight_gradient_products import LAYERS, SHAPES, TOKENS  # noqa: E402
 from hf_knowgpt.kernels import column_sums, grouped_products  # noqa: E402
 
-TOKENS, LAYERS, REPLAYS = 7680, 4, 200
-# (output features, input features) of the handout model's plain layers, as weight_gradient_products.py names them
-SHAPES = {"attention input": (768, 256), "attention output": (256, 256), "MLP first": (1024, 256),
-          "MLP second": (256, 1024)}  # fmt: skip
+REPLAYS = 200
 CONFIGS = ("128x128x64-1-8-3", "128x128x64-2-8-3", "128x128x64-3-8-3", "128x128x64-1-4-4", "128x64x64-1-4-4",
            "128x64x64-2-4-4", "64x128x64-2-4-4", "128x256x64-1-8-3", "64x64x64-2-4-4")  # fmt: skip
 
