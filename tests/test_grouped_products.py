@@ -254,19 +254,66 @@ def test_the_graphed_step_compiles_with_the_pass_only_where_told(monkeypatch):
 
 
 class _Fp32WeightGradientLinear(torch.autograd.Function):
-    """x · wᵀ on bf16 operands whose weight gradient is `torch.mm(gradᵀ, x, out_dtype=torch.float32)`, as the
-    package's linear layers write it on a GPU; on the CPU torch has no kernel for that product, so a compiled backward
-    pass runs only where the pass has replaced every one of them."""
+    """x · wᵀ (+ b) on bf16 operands whose weight gradient is `torch.mm(gradᵀ, x, out_dtype=torch.float32)`, as the
+    package's linear layers write it on a GPU, and whose bias gradient (with a bias) is `column_sums`'s op. On the CPU
+    torch has no kernel for that product, and without Triton's interpreter none runs the op's Triton kernel: a compiled
+    backward pass runs only where the pass has replaced every product and taken every sum."""
 
     @staticmethod
-    def forward(ctx, states, weight):
+    def forward(ctx, states, weight, bias):
         ctx.save_for_backward(states, weight)
-        return states @ weight.to(states.dtype).t()
+        ctx.has_bias = bias is not None
+        return _layer_product(states, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         states, weight = ctx.saved_tensors
-        return grad @ weight.to(grad.dtype), torch.mm(grad.t(), states, out_dtype=torch.float32)
+        grad_states = grad @ weight.to(grad.dtype)
+        weight_gradient = torch.mm(grad.t(), states, out_dtype=torch.float32)
+        # Last: with no GPU driver Triton cannot tell that the kernel only reads `grad`, so a later use of it would
+        # read the copy the kernel's wrapper makes, and the wrapper would stay in the graph beside the pass's call.
+        bias_gradient = column_sums._column_sums(grad) if ctx.has_bias else None
+        return grad_states, weight_gradient, bias_gradient
+
+
+def _layer_product(states, weight, bias):
+    product = states @ weight.to(states.dtype).t()
+    return product if bias is None else product + bias.to(states.dtype)
+
+
+def compiled_tanh_layers(weights, biases):
+    """The loss of tanh layers (`_Fp32WeightGradientLinear`), the sum of the last one's squared outputs, compiled by
+    inductor with the pass."""
+
+    def loss_of(states):
+        for weight, bias in zip(weights, biases):
+            states = torch.tanh(_Fp32WeightGradientLinear.apply(states, weight, bias))
+        return states.float().square().sum()
+
+    return torch.compile(loss_of, options={"post_grad_custom_post_pass": WeightGradientsTogether(column_sums=True)})
+
+
+def assert_fp64_layer_gradients(states, weights, biases):
+    """Each layer's weight (and bias) gradient against fp64 of the same bf16 activations and gradients: the eager
+    backward pass of `compiled_tanh_layers`' loss with the products and sums in fp64."""
+    with torch.no_grad():
+        activations, current = [], states
+        for weight, bias in zip(weights, biases):
+            activations.append(current)
+            current = torch.tanh(_layer_product(current, weight.to(torch.bfloat16), bias))
+        grad = 2 * current.double()
+        for weight, bias, states_in in reversed(list(zip(weights, biases, activations))):
+            output = torch.tanh(_layer_product(states_in, weight.to(torch.bfloat16), bias)).double()
+            grad = (grad * (1 - output.square())).to(torch.bfloat16)
+            expected = [(weight.grad, grad.double().t() @ states_in.double())]
+            if bias is not None:
+                expected.append((bias.grad, grad.double().sum(0)))
+            for got, want in expected:
+                torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+            grad = (grad @ weight.to(torch.bfloat16)).double()
+
+
+SHAPES = [(32, 16), (48, 32), (16, 48)]  # (output, input) features of the compiled tests' three layers
 
 
 def test_inductor_compiles_a_backward_pass_with_the_weight_gradients_together():
@@ -275,54 +322,16 @@ def test_inductor_compiles_a_backward_pass_with_the_weight_gradients_together():
     gradients are fp64's, for two token counts through one graph."""
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
-    weights = [(0.2 * torch.randn(rows, cols, generator=generator)).requires_grad_() for rows, cols in
-               [(32, 16), (48, 32), (16, 48)]]  # fmt: skip
-
-    def loss_of(states):
-        for weight in weights:
-            states = torch.tanh(_Fp32WeightGradientLinear.apply(states, weight))
-        return states.float().square().sum()
-
-    compiled = torch.compile(loss_of, options={"post_grad_custom_post_pass": WeightGradientsTogether()})
+    weights = [(0.2 * torch.randn(rows, cols, generator=generator)).requires_grad_() for rows, cols in SHAPES]
+    biases = [None] * len(weights)
+    compiled = compiled_tanh_layers(weights, biases)
     for tokens in (24, 40):
         states = torch.randn(tokens, 16, generator=generator).to(torch.bfloat16)
         torch._dynamo.mark_dynamic(states, 0)  # the tokens a symbol, the layers' widths not
         for weight in weights:
             weight.grad = None
         compiled(states).backward()
-        got = [weight.grad.clone() for weight in weights]
-        # fp64 of the same bf16 activations: the eager backward with the products in fp64
-        for weight in weights:
-            weight.grad = None
-        with torch.no_grad():
-            activations, current = [], states
-            for weight in weights:
-                activations.append(current)
-                current = torch.tanh(current @ weight.to(torch.bfloat16).t())
-        grad = 2 * current.double()
-        for weight, states_in, got_grad in reversed(list(zip(weights, activations, got))):
-            output = torch.tanh(states_in @ weight.to(torch.bfloat16).t()).double()
-            grad = (grad * (1 - output.square())).to(torch.bfloat16)
-            want = grad.double().t() @ states_in.double()
-            torch.testing.assert_close(got_grad.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-            grad = (grad @ weight.to(torch.bfloat16)).double()
-
-
-class _Fp32WeightGradientBiasedLinear(torch.autograd.Function):
-    """x · wᵀ + b on bf16 operands, its weight gradient as `_Fp32WeightGradientLinear`'s and its bias gradient by
-    `column_sums`'s op (its Triton kernel, which a CPU without Triton's interpreter cannot run: the compiled backward
-    pass runs only where the pass has taken every sum into its call)."""
-
-    @staticmethod
-    def forward(ctx, states, weight, bias):
-        ctx.save_for_backward(states, weight)
-        return states @ weight.to(states.dtype).t() + bias.to(states.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        states, weight = ctx.saved_tensors
-        weight_gradient = torch.mm(grad.t(), states, out_dtype=torch.float32)
-        return grad @ weight.to(grad.dtype), weight_gradient, column_sums._column_sums(grad)
+        assert_fp64_layer_gradients(states, weights, biases)
 
 
 @traces_column_sums
@@ -340,35 +349,14 @@ def test_inductor_compiles_a_backward_pass_with_the_bias_sums_taken_together_too
 
     monkeypatch.setattr(grouped_products, "_products_in_torch", recorded)
     generator = torch.Generator().manual_seed(0)
-    shapes = [(32, 16), (48, 32), (16, 48)]
-    weights = [(0.2 * torch.randn(rows, cols, generator=generator)).requires_grad_() for rows, cols in shapes]
-    biases = [(0.1 * torch.randn(rows, generator=generator)).requires_grad_() for rows, _ in shapes]
-
-    def loss_of(states):
-        for weight, bias in zip(weights, biases):
-            states = torch.tanh(_Fp32WeightGradientBiasedLinear.apply(states, weight, bias))
-        return states.float().square().sum()
-
-    compiled = torch.compile(loss_of, options={"post_grad_custom_post_pass": WeightGradientsTogether(True)})
+    weights = [(0.2 * torch.randn(rows, cols, generator=generator)).requires_grad_() for rows, cols in SHAPES]
+    biases = [(0.1 * torch.randn(rows, generator=generator)).requires_grad_() for rows, _ in SHAPES]
+    compiled = compiled_tanh_layers(weights, biases)
     for tokens in (24, 40):
         states = torch.randn(tokens, 16, generator=generator).to(torch.bfloat16)
         torch._dynamo.mark_dynamic(states, 0)
         for parameter in (*weights, *biases):
             parameter.grad = None
         compiled(states).backward()
-        with torch.no_grad():  # fp64 of the same bf16 activations and gradients
-            activations, current = [], states
-            for weight, bias in zip(weights, biases):
-                activations.append(current)
-                current = torch.tanh(current @ weight.to(torch.bfloat16).t() + bias.to(torch.bfloat16))
-            grad = 2 * current.double()
-            for weight, bias, states_in in reversed(list(zip(weights, biases, activations))):
-                output = torch.tanh(states_in @ weight.to(torch.bfloat16).t() + bias.to(torch.bfloat16)).double()
-                grad = (grad * (1 - output.square())).to(torch.bfloat16)
-                for got, want in (
-                    (weight.grad, grad.double().t() @ states_in.double()),
-                    (bias.grad, grad.double().sum(0)),
-                ):
-                    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-                grad = (grad @ weight.to(torch.bfloat16)).double()
+        assert_fp64_layer_gradients(states, weights, biases)
     assert summed and all(sorted(sums) == [0, 1, 2] for sums in summed), summed
