@@ -68,11 +68,12 @@ kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end
 tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
 (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
-(`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`), that with the tokens in two parts
-(`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that without the bias gradients, left to
-`column_sums`'s kernels (`weight-gradients-together-without-sums`, `grouped_products.COLUMN_SUMS_TOGETHER`); the
-attention kernel handed the queries, keys and values as one stacked tensor, their gradients written as one instead of
-concatenated after (`stacked-attention-inputs`, `attention_knowgpt.STACKED_ATTENTION_INPUTS`); the update's gradients concatenated into one
+(`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
+other way), that with the tokens in two parts (`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that
+without the bias gradients, left to `column_sums`'s kernels (`weight-gradients-together-without-sums`,
+`grouped_products.COLUMN_SUMS_TOGETHER`); the attention kernel handed the queries, keys and values as one stacked
+tensor, their gradients written as one instead of concatenated after (`stacked-attention-inputs`,
+`attention_knowgpt.STACKED_ATTENTION_INPUTS`, as it is now; `three-attention-inputs` the other way); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
 `multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
 65,536 parameters per multiprocessor (`multi-tensor-update-at-any-size`, `multi_tensor_adamw.multi_tensor_adamw_pays`;
@@ -170,9 +171,11 @@ VARIANTS = {
         "weight_gradients_together": True,
         "grouped_products": {"COLUMN_SUMS_TOGETHER": False},
     },
+    "weight-gradients-apart": {"weight_gradients_together": False},  # cuBLAS's products, column_sums's kernels
     # the attention kernel handed one projection's queries, keys and values as one tensor, their gradients written as
-    # one (attention_knowgpt.STACKED_ATTENTION_INPUTS)
+    # one (attention_knowgpt.STACKED_ATTENTION_INPUTS), or as three tensors, their gradients concatenated after
     "stacked-attention-inputs": {"attention_knowgpt": {"STACKED_ATTENTION_INPUTS": True}},
+    "three-attention-inputs": {"attention_knowgpt": {"STACKED_ATTENTION_INPUTS": False}},
     # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
     "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
