@@ -35,7 +35,10 @@ to the graphed step's or taken from them (`GraphedStepper.INDUCTOR_OPTIONS`: `no
 compute-bound, not every one whose sizes are not multiples of 8 such as the vocabulary's 257 logits; `pdl`
 launches each inductor kernel while the one before it ends (programmatic dependent launch, Hopper and later);
 `cooperative-reductions` does a split reduction in one kernel with a grid-wide barrier, `no-split-reductions`
-in one kernel without splitting it; `no-combo-kernels` launches every kernel on its own instead of several
+in one kernel without splitting it; `mix-order-any-size` lets inductor take a reduction over rows and one over
+columns of the same tensor (a LayerNorm's backward: its input's gradient and its weight's) in one kernel whatever
+the tensor's size, where it otherwise does so only for tensors it knows to hold 5·2²⁰ elements or more and 4096
+rows or more (`triton.mix_order_reduction_non_strict_mode`), `no-mix-order` never; `no-combo-kernels` launches every kernel on its own instead of several
 independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
 `combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
 of recent torch releases: a run stops where the installed torch lacks a variant's option); `max-autotune-gemm`
@@ -142,6 +145,8 @@ VARIANTS = {
     "pdl": {"inductor": {"triton.enable_pdl": True}},
     "cooperative-reductions": {"inductor": {"triton.cooperative_reductions": True}},
     "no-split-reductions": {"inductor": {"split_reductions": False}},
+    "mix-order-any-size": {"inductor": {"triton.mix_order_reduction_non_strict_mode": True}},
+    "no-mix-order": {"inductor": {"triton.mix_order_reduction": False}},
     "caching-precompile": {"dynamo": {"caching_precompile": True}},
     "traced-every-run": {"traced_every_run": True},
     "functions-only": {"functions_only": True},
@@ -197,14 +202,18 @@ COUNTERS_FILE = "inductor_counters.json"
 
 def write_inductor_counters(output_dir: Path) -> None:
     """Inductor's counters of this process (`coordesc_tuning_bench`: kernel configurations timed by
-    coordinate-descent tuning) into the run's output directory, from the first process only; nothing where
-    the run did not compile, so that a process that never imported dynamo does not import it at exit."""
+    coordinate-descent tuning) and its metric `codegen_mix_order_reduction` (kernels generated as reductions over
+    rows and columns at once) into the run's output directory, from the first process only; nothing where the
+    run did not compile, so that a process that never imported dynamo does not import it at exit."""
     if os.environ.get("RANK", "0") != "0" or "torch._dynamo.utils" not in sys.modules:
         return
     from torch._dynamo.utils import counters
+    from torch._inductor import metrics
 
+    found = dict(counters["inductor"])
+    found["codegen_mix_order_reduction"] = getattr(metrics, "codegen_mix_order_reduction", None)
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / COUNTERS_FILE).write_text(json.dumps(dict(counters["inductor"])))
+    (output_dir / COUNTERS_FILE).write_text(json.dumps(found))
 
 
 def setting_modules() -> dict:
@@ -411,6 +420,7 @@ def main(argv=None):
                 "process_less_steps_s": seconds - steps_s,
                 "page_faults": faults,
                 "coordesc_benchmarks": counters.get("coordesc_tuning_bench", 0),
+                "mix_order_kernels": counters.get("codegen_mix_order_reduction"),
                 "final_loss": pretrain["final_loss"],
                 "dev_accuracy": summary["dev"]["accuracy"],
             }
