@@ -38,7 +38,8 @@ launches each inductor kernel while the one before it ends (programmatic depende
 in one kernel without splitting it; `mix-order-any-size` lets inductor take a reduction over rows and one over
 columns of the same tensor (a LayerNorm's backward: its input's gradient and its weight's) in one kernel whatever
 the tensor's size, where it otherwise does so only for tensors it knows to hold 5·2²⁰ elements or more and 4096
-rows or more (`triton.mix_order_reduction_non_strict_mode`), `no-mix-order` never; `no-combo-kernels` launches every kernel on its own instead of several
+rows or more (`triton.mix_order_reduction_non_strict_mode`), `no-mix-order` never; `fallback-random` draws the
+residual dropouts' uniforms with ATen's kernels instead of inductor's Philox inside the kernels that use them; `no-combo-kernels` launches every kernel on its own instead of several
 independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
 `combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
 of recent torch releases: a run stops where the installed torch lacks a variant's option); `max-autotune-gemm`
@@ -68,7 +69,9 @@ other way); every residual sum with its dropout and the LayerNorm after it as th
 way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
 forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`), its backward
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
-tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
+tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`), its forward
+kernel with the backward pass as PyTorch operations on the stored mask, for inductor to fuse
+(`fused-layers-composed-backward`, `fused_layers.RESIDUAL_BACKWARD_COMPOSED`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
 (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
@@ -147,6 +150,7 @@ VARIANTS = {
     "no-split-reductions": {"inductor": {"split_reductions": False}},
     "mix-order-any-size": {"inductor": {"triton.mix_order_reduction_non_strict_mode": True}},
     "no-mix-order": {"inductor": {"triton.mix_order_reduction": False}},
+    "fallback-random": {"inductor": {"fallback_random": True}},
     "caching-precompile": {"dynamo": {"caching_precompile": True}},
     "traced-every-run": {"traced_every_run": True},
     "functions-only": {"functions_only": True},
@@ -165,6 +169,11 @@ VARIANTS = {
     "fused-layers-sums-at-end-1024-2": {
         "flags": ["--fused_layers"],
         "fused_layers": {"COLUMN_SUMS_AT_END": True, "TILE_ELEMENTS": 1024, "PROGRAMS_PER_SM": 2},
+    },
+    # the residual kernels' forward (four dropout uniforms per Philox evaluation), their backward left to inductor
+    "fused-layers-composed-backward": {
+        "flags": ["--fused_layers"],
+        "fused_layers": {"RESIDUAL_BACKWARD_COMPOSED": True},
     },
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     # the weight-gradient products in one launch at the end of the backward pass (GraphedStepper.WEIGHT_GRADIENTS_TOGETHER,
