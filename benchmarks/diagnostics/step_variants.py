@@ -383,9 +383,16 @@ def main(argv=None):
     variants = args.variants.split(",")
     for variant in variants:
         try:
-            variant_settings(variant)
+            settings = variant_settings(variant)
         except ValueError as error:
             parser.error(f"--variants: {error}")
+        if options := settings.get("inductor"):  # refused before any run, not after the runs before it
+            from hf_knowgpt.training.fast_path import known_inductor_options
+
+            if unknown := options.keys() - known_inductor_options(options).keys():
+                parser.error(
+                    f"--variants: {variant}: this torch's inductor has no option {', '.join(sorted(unknown))}"
+                )
     precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
     work = Path(tempfile.mkdtemp(prefix="knowgpt-step-variants-"))
     runs, began = [], time.perf_counter()
