@@ -39,8 +39,8 @@ in one kernel without splitting it; `mix-order-any-size` lets inductor take a re
 columns of the same tensor (a LayerNorm's backward: its input's gradient and its weight's) in one kernel whatever
 the tensor's size, where it otherwise does so only for tensors it knows to hold 5·2²⁰ elements or more and 4096
 rows or more (`triton.mix_order_reduction_non_strict_mode`), `no-mix-order` never; `fallback-random` draws the
-residual dropouts' uniforms with ATen's kernels instead of inductor's Philox inside the kernels that use them; `no-combo-kernels` launches every kernel on its own instead of several
-independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
+residual dropouts' uniforms with ATen's kernels instead of inductor's Philox inside the kernels that use them;
+`no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
 `combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
 of recent torch releases: a run stops where the installed torch lacks a variant's option); `max-autotune-gemm`
 times Triton's matrix-product templates against cuBLAS for each product, fusing the pointwise work after a
@@ -71,8 +71,8 @@ forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.R
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
 tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`), its forward
 kernel with the backward pass as PyTorch operations on the stored mask, for inductor to fuse
-(`fused-layers-composed-backward`, `fused_layers.RESIDUAL_BACKWARD_COMPOSED`); cuBLAS and cuBLASLt given no workspace, so no split-K product with a reduce kernel of its own
-(`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
+(`fused-layers-composed-backward`, `fused_layers.RESIDUAL_BACKWARD_COMPOSED`); cuBLAS and cuBLASLt given no
+workspace, so no split-K product with a reduce kernel of its own (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
 other way), that with the tokens in two parts (`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that
