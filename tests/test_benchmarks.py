@@ -143,6 +143,10 @@ def test_step_variants_stops_where_the_installed_torch_lacks_a_variants_option(m
     monkeypatch.setitem(step_variants.VARIANTS, "from-the-future", {"inductor": {"an_option_of_a_later_torch": 1}})
     with pytest.raises(SystemExit, match="no option an_option_of_a_later_torch"):
         step_variants.run_one("from-the-future", ["--recipe", "quickstart"])
+    # and the script refuses it before its first run, not after the runs planned before it
+    monkeypatch.setattr(step_variants.subprocess, "run", lambda *args, **kwargs: pytest.fail("a run started"))
+    with pytest.raises(SystemExit):
+        step_variants.main(["--variants", "as-is,from-the-future", "--seeds", "0", "--", "--recipe", "quickstart"])
 
 
 def test_step_variants_sets_the_attention_kernels_launch_settings_before_the_run(monkeypatch):
