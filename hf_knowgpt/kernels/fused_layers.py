@@ -343,7 +343,7 @@ class _ResidualLayerNorm(torch.autograd.Function):
         if ctx.composed:
             return _composed_backward(
                 grad_new, grad_normalized, new_residual, weight, mean, rstd, keep if ctx.mask_stored else None,
-                dropout_p, ctx.options, ctx.branch_bias_dtype,
+                ctx.options, ctx.branch_bias_dtype,
             )  # fmt: skip
         width = new_residual.shape[-1]
         n_rows = new_residual.numel() // width
@@ -368,13 +368,11 @@ class _ResidualLayerNorm(torch.autograd.Function):
         return grad_residual, grad_branch, grad_branch_bias, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _composed_backward(
-    grad_new, grad_normalized, new_residual, weight, mean, rstd, keep, dropout_p, options, branch_bias_dtype
-):  # fmt: skip
+def _composed_backward(grad_new, grad_normalized, new_residual, weight, mean, rstd, keep, options, branch_bias_dtype):
     """`_ResidualLayerNorm`'s gradients as PyTorch operations (RESIDUAL_BACKWARD_COMPOSED), in fp32 from the saved
     sum, its rows' mean and reciprocal deviation, and the stored mask (`keep`, None without dropout): LayerNorm's
     backward, the sum's gradient through the dropout to the branch, and the column sums."""
-    _, _, residual_dtype, branch_dtype, bias_dtype = options
+    dropout_p, _, residual_dtype, branch_dtype, bias_dtype = options
     shape, width = new_residual.shape, new_residual.shape[-1]
     normalized = (new_residual.reshape(-1, width).float() - mean[:, None]) * rstd[:, None]
     grad_normalized = grad_normalized.reshape(-1, width).float()
