@@ -263,15 +263,26 @@ def variant_settings(variant: str) -> dict:
     return merged
 
 
+def options_this_torch_lacks(settings: dict) -> list[str]:
+    """The inductor options of a variant's settings that the installed torch does not have: the graphed step would
+    leave them out and the run would measure the code as it is."""
+    options = settings.get("inductor", {})
+    if not options:  # the package (and torch) imported only where there is something to check
+        return []
+    from hf_knowgpt.training.fast_path import known_inductor_options
+
+    return sorted(options.keys() - known_inductor_options(options).keys())
+
+
 def run_one(variant: str, train_args: list[str]) -> None:
     from hf_knowgpt.commands import cli, train
     from hf_knowgpt.training import trainer
-    from hf_knowgpt.training.fast_path import GraphedStepper, known_inductor_options
+    from hf_knowgpt.training.fast_path import GraphedStepper
 
     settings = variant_settings(variant)
     inductor_options = settings.get("inductor", {})
-    if unknown := inductor_options.keys() - known_inductor_options(inductor_options).keys():
-        raise SystemExit(f"variant {variant}: this torch's inductor has no option {', '.join(sorted(unknown))}")
+    if unknown := options_this_torch_lacks(settings):
+        raise SystemExit(f"variant {variant}: this torch's inductor has no option {', '.join(unknown)}")
     if settings.get("dynamo"):
         import torch._dynamo
 
@@ -386,13 +397,8 @@ def main(argv=None):
             settings = variant_settings(variant)
         except ValueError as error:
             parser.error(f"--variants: {error}")
-        if options := settings.get("inductor"):  # refused before any run, not after the runs before it
-            from hf_knowgpt.training.fast_path import known_inductor_options
-
-            if unknown := options.keys() - known_inductor_options(options).keys():
-                parser.error(
-                    f"--variants: {variant}: this torch's inductor has no option {', '.join(sorted(unknown))}"
-                )
+        if unknown := options_this_torch_lacks(settings):  # refused before any run, not after the runs before it
+            parser.error(f"--variants: {variant}: this torch's inductor has no option {', '.join(unknown)}")
     precision = train_args[train_args.index("--mixed_precision") + 1] if "--mixed_precision" in train_args else "no"
     work = Path(tempfile.mkdtemp(prefix="knowgpt-step-variants-"))
     runs, began = [], time.perf_counter()
