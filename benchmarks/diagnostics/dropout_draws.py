@@ -11,6 +11,7 @@ replayed; a table of µs is printed last.
 """
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -20,25 +21,24 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
+from hf_knowgpt.kernels.fused_layers import residual_layer_norm_reference  # noqa: E402
 from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
-TOKENS, WIDTH, DROPOUT_P = 7680, 256, 0.1
+TOKENS, WIDTH, DROPOUT_P, EPS = 7680, 256, 0.1, 1e-5
 
 
 def residual_layer_norm(dropout_p):
-    """The residual sum with its branch dropped out, and the LayerNorm after it, as the model writes them."""
-
-    def layer(residual, branch, weight, bias):
-        summed = residual + F.dropout(branch.float(), dropout_p, training=True)
-        return summed, F.layer_norm(summed, (WIDTH,), weight, bias).to(torch.bfloat16)
-
-    return layer
+    """The residual sum with its branch dropped out, and the LayerNorm after it, as the model writes them (the
+    package's plain composition, `fused_layers.residual_layer_norm_reference`), the normalized rows in bf16."""
+    return functools.partial(
+        residual_layer_norm_reference, eps=EPS, dropout_p=dropout_p, training=True, normalized_dtype=torch.bfloat16
+    )
 
 
 def residual_layer_norm_with_mask(residual, branch, weight, bias, keep):
     """The same with the dropout mask given: what a mask drawn elsewhere would leave to this kernel."""
-    summed = residual + branch.float() * keep * (1.0 / (1.0 - DROPOUT_P))
-    return summed, F.layer_norm(summed, (WIDTH,), weight, bias).to(torch.bfloat16)
+    summed = residual + branch * keep * (1.0 / (1.0 - DROPOUT_P))
+    return summed, F.layer_norm(summed, (WIDTH,), weight, bias, EPS).to(torch.bfloat16)
 
 
 def forward_and_both_us(compiled, inputs, grads, replays) -> tuple[float, float]:
