@@ -9,24 +9,51 @@ from torch.nn import functional as F
 
 
 class KnowGPTDropout(nn.Dropout):
-    """`nn.Dropout` whose mask, on a CPU, is cut from 64-bit random draws, four 16-bit uniforms each.
+    """`nn.Dropout` whose mask is cut from 16-bit uniforms where that is cheaper than torch's own draw: on a CPU,
+    four from each 64-bit random draw, and in a step compiled for a GPU (where DROPOUT_MASK_KERNEL says so) eight
+    from each Philox evaluation of the package's kernel (`hf_knowgpt.kernels.dropout_masks`).
 
     A CPU's Bernoulli sampler spends about 6 ns per element, a tenth of the quickstart model's training step
-    (torch.profiler); one 64-bit draw per four elements costs under a third of that. Each element is kept when its uniform is at
-    or above round(p·2¹⁶), so the drop rate is p to within 2⁻¹⁷; kept elements are scaled by the inverse
-    of the exact keep rate. Elsewhere (a GPU's counter-based generator is already cheap) and in evaluation
-    it is `nn.Dropout`. Both draw from torch's generator of the tensor's device, so a seed repeats a run.
+    (torch.profiler); one 64-bit draw per four elements costs under a third of that. Each element is kept when its
+    uniform is at or above round(p·2¹⁶), so the drop rate is p to within 2⁻¹⁷; kept elements are scaled by the
+    inverse of the exact keep rate. Elsewhere and in evaluation it is `nn.Dropout`. Both draw from torch's
+    generator of the tensor's device, so a seed repeats a run.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0 or self.p >= 1 or input.device.type != "cpu" or self.inplace:
+        if not self.training or self.p == 0 or self.p >= 1 or self.inplace:
             return super().forward(input)
         dropped_levels = round(self.p * 65536)  # of the 2¹⁶ values a 16-bit uniform takes
-        words = torch.empty((input.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
-        uniforms = words.view(torch.int16)[: input.numel()].view(input.shape)
-        keep = uniforms >= dropped_levels - 32768
+        if input.device.type == "cpu":
+            words = torch.empty((input.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+            uniforms = words.view(torch.int16)[: input.numel()].view(input.shape)
+            keep = uniforms >= dropped_levels - 32768
+        else:
+            draw_mask = _mask_kernel(input)
+            if draw_mask is None:
+                return super().forward(input)
+            keep = draw_mask(input.shape, dropped_levels, input.device)
         # mul by the bool mask saves only the mask for backward; the in-place scale saves nothing
         return input.mul(keep).mul_(65536 / (65536 - dropped_levels))
+
+
+# In a training step compiled for a CUDA device, each `KnowGPTDropout`'s mask drawn by the package's kernel, eight
+# 16-bit uniforms per Philox evaluation, and multiplied in by the kernel inductor makes of the work around it,
+# instead of inductor drawing one Philox evaluation per element inside that kernel. Uncompiled, torch's own dropout
+# (one kernel) stays cheaper than a mask kernel and a multiply.
+DROPOUT_MASK_KERNEL = False
+
+
+def _mask_kernel(states: torch.Tensor):
+    """`dropout_masks.dropout_keep_mask` where DROPOUT_MASK_KERNEL applies to `states` (CUDA, compiling, Triton),
+    else None."""
+    if not (DROPOUT_MASK_KERNEL and states.device.type == "cuda" and torch.compiler.is_compiling()):
+        return None
+    try:  # the package's kernel: a checkpoint's own copy of this code runs without it
+        from hf_knowgpt.kernels.dropout_masks import dropout_keep_mask, dropout_masks_available
+    except ModuleNotFoundError:
+        return None
+    return dropout_keep_mask if dropout_masks_available() else None
 
 
 def _unchanged(states: torch.Tensor) -> torch.Tensor:

@@ -146,42 +146,6 @@ def test_branch_bias_added_and_its_gradient_summed(shape, branch_dtype, sums_at_
 
 
 @needs_kernel
-@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-@pytest.mark.parametrize("shape", [(37, 96), (150, 256)], ids=str)
-def test_composed_backward_gives_the_kernels_gradients(shape, dropout_p, monkeypatch):
-    """RESIDUAL_BACKWARD_COMPOSED: the backward pass as PyTorch operations on the stored mask gives every gradient
-    (the branch's bias's included) as the backward kernel does, and as fp64 does, with the forward outputs
-    unchanged; the gradient of a dropped branch element is 0."""
-    torch.manual_seed(0)
-    width = shape[-1]
-    residual, branch, weight, bias = layer_inputs(shape, torch.float32)
-    branch_bias = (0.5 * torch.randn(width, device=DEVICE)).requires_grad_()
-    inputs = (residual, branch, branch_bias, weight, bias)
-    seed = torch.tensor([9], dtype=torch.int64, device=DEVICE)
-    grads_out = (torch.randn(shape, device=DEVICE), torch.randn(shape, device=DEVICE))
-    results = []
-    for composed in (False, True):
-        monkeypatch.setattr(fused_layers, "RESIDUAL_BACKWARD_COMPOSED", composed)
-        outputs = fused_residual_layer_norm(
-            residual, branch, weight, bias, EPS, dropout_p, True, seed=seed, branch_bias=branch_bias
-        )
-        results.append((outputs, torch.autograd.grad(outputs, inputs, grads_out)))
-    (kernel_outputs, kernel_grads), (composed_outputs, composed_grads) = results
-    for got, want in zip(composed_outputs, kernel_outputs):
-        assert torch.equal(got, want), "the forward pass changed with the composed backward"
-    keep = residual_dropout_keep_mask(seed, shape, dropout_p) if dropout_p else None
-    biased = branch.double() + branch_bias.double()
-    expected = reference_residual_layer_norm(residual, biased, weight, bias, keep, dropout_p)
-    expected_grads = torch.autograd.grad(expected, inputs, tuple(grad.double() for grad in grads_out))
-    names = ("residual", "branch", "branch's bias", "weight", "bias")
-    for name, got, kernel, want in zip(names, composed_grads, kernel_grads, expected_grads):
-        assert_close_to(got, want, torch.float32, f"gradient of {name}, composed")
-        assert_close_to(got, kernel.double(), torch.float32, f"gradient of {name}, composed against the kernel")
-    if dropout_p:
-        assert not composed_grads[1].masked_select(~keep).any(), "gradient of a dropped branch element"
-
-
-@needs_kernel
 def test_normalized_written_in_the_next_layers_dtype():
     """`normalized_dtype=torch.bfloat16` (what the model asks under bf16 autocast): the LayerNorm's output is
     the fp32 one rounded to bf16, and every gradient is the one the fp32 output gets from that bf16 gradient

@@ -69,9 +69,10 @@ other way); every residual sum with its dropout and the LayerNorm after it as th
 way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
 forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`), its backward
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
-tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`), its forward
-kernel with the backward pass as PyTorch operations on the stored mask, for inductor to fuse
-(`fused-layers-composed-backward`, `fused_layers.RESIDUAL_BACKWARD_COMPOSED`); cuBLAS and cuBLASLt given no
+tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); each
+dropout's mask in a compiled step drawn by the package's kernel, eight 16-bit uniforms per Philox evaluation, and
+multiplied in by inductor's kernels, instead of inductor drawing one evaluation per element inside them
+(`dropout-mask-kernel`, `layers_knowgpt.DROPOUT_MASK_KERNEL`); cuBLAS and cuBLASLt given no
 workspace, so no split-K product with a reduce kernel of its own (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
@@ -161,6 +162,7 @@ VARIANTS = {
     "bias-gradient-by-autograd": {"layers_knowgpt": {"BIAS_GRADIENT_KERNEL": False}},
     "fp32-weight-gradients": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": True}},
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
+    "dropout-mask-kernel": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": True}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},
@@ -169,11 +171,6 @@ VARIANTS = {
     "fused-layers-sums-at-end-1024-2": {
         "flags": ["--fused_layers"],
         "fused_layers": {"COLUMN_SUMS_AT_END": True, "TILE_ELEMENTS": 1024, "PROGRAMS_PER_SM": 2},
-    },
-    # the residual kernels' forward (four dropout uniforms per Philox evaluation), their backward left to inductor
-    "fused-layers-composed-backward": {
-        "flags": ["--fused_layers"],
-        "fused_layers": {"RESIDUAL_BACKWARD_COMPOSED": True},
     },
     "gradients-concatenated": {"multi_tensor_adamw": {"GRADIENTS_IN_PLACE": False}},
     # the weight-gradient products in one launch at the end of the backward pass (GraphedStepper.WEIGHT_GRADIENTS_TOGETHER,

@@ -58,11 +58,6 @@ RESIDUAL_MASK_STORED = False
 # 0.048, yet the handout command's steps took 21.5 s with it in one run against 20.6-21.3 s without (H200,
 # benchmarks/RESULTS.md): off, as `--fused_layers` is in compiled steps, until timed side by side.
 COLUMN_SUMS_AT_END = False
-# The residual kernel's backward pass as PyTorch operations on the stored mask (True; the mask is then stored whatever
-# RESIDUAL_MASK_STORED says), which a compiled step hands to inductor to fuse with the work around it as it fuses its
-# own LayerNorm's backward, or as the backward kernel (False). Only the forward kernel then stays: it draws four
-# dropout uniforms per Philox evaluation where inductor's kernels draw one per element.
-RESIDUAL_BACKWARD_COMPOSED = False
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -317,8 +312,7 @@ class _ResidualLayerNorm(torch.autograd.Function):
         # read only with a branch bias; else memory of its own: compiled code may copy an argument it takes for
         # written and rebind the tensor, which must then be no other argument's
         unused = torch.empty(1, device=residual.device)
-        composed = RESIDUAL_BACKWARD_COMPOSED
-        mask_stored = (RESIDUAL_MASK_STORED or composed) and dropout_p > 0
+        mask_stored = RESIDUAL_MASK_STORED and dropout_p > 0
         # the mask's bytes where stored; else, like `unused`, a buffer of its own that is never read
         keep = torch.empty(residual.shape if mask_stored else (1,), dtype=torch.int8, device=residual.device)
         _residual_layer_norm_forward[(triton.cdiv(n_rows, block_rows),)](
@@ -330,7 +324,7 @@ class _ResidualLayerNorm(torch.autograd.Function):
             HAS_BRANCH_BIAS=has_branch_bias, MASK_STORED=mask_stored, num_warps=num_warps,
         )  # fmt: skip
         ctx.save_for_backward(new_residual, weight, mean, rstd, seed, keep)
-        ctx.mask_stored, ctx.composed = mask_stored, composed
+        ctx.mask_stored = mask_stored
         ctx.options = dropout_p, offset, residual.dtype, branch.dtype, bias.dtype
         ctx.branch_bias_dtype = branch_bias.dtype if has_branch_bias else None
         ctx.column_sums_at_end = COLUMN_SUMS_AT_END  # the call's settings are those of its forward pass
@@ -340,11 +334,6 @@ class _ResidualLayerNorm(torch.autograd.Function):
     def backward(ctx, grad_new, grad_normalized):
         new_residual, weight, mean, rstd, seed, keep = ctx.saved_tensors  # keep: read only where the mask is stored
         dropout_p, offset, residual_dtype, branch_dtype, bias_dtype = ctx.options
-        if ctx.composed:
-            return _composed_backward(
-                grad_new, grad_normalized, new_residual, weight, mean, rstd, keep if ctx.mask_stored else None,
-                ctx.options, ctx.branch_bias_dtype,
-            )  # fmt: skip
         width = new_residual.shape[-1]
         n_rows = new_residual.numel() // width
         grad_residual = torch.empty(new_residual.shape, dtype=residual_dtype, device=new_residual.device)
@@ -366,28 +355,6 @@ class _ResidualLayerNorm(torch.autograd.Function):
         grad_weight, grad_bias = summed[0].to(weight.dtype), summed[1].to(bias_dtype)
         grad_branch_bias = summed[2].to(branch_bias_dtype) if branch_bias_dtype is not None else None
         return grad_residual, grad_branch, grad_branch_bias, grad_weight, grad_bias, None, None, None, None, None
-
-
-def _composed_backward(grad_new, grad_normalized, new_residual, weight, mean, rstd, keep, options, branch_bias_dtype):
-    """`_ResidualLayerNorm`'s gradients as PyTorch operations (RESIDUAL_BACKWARD_COMPOSED), in fp32 from the saved
-    sum, its rows' mean and reciprocal deviation, and the stored mask (`keep`, None without dropout): LayerNorm's
-    backward, the sum's gradient through the dropout to the branch, and the column sums."""
-    dropout_p, _, residual_dtype, branch_dtype, bias_dtype = options
-    shape, width = new_residual.shape, new_residual.shape[-1]
-    normalized = (new_residual.reshape(-1, width).float() - mean[:, None]) * rstd[:, None]
-    grad_normalized = grad_normalized.reshape(-1, width).float()
-    scaled = grad_normalized * weight.float()
-    grad_sum = grad_new.reshape(-1, width).float() + rstd[:, None] * (
-        scaled - scaled.mean(-1, keepdim=True) - normalized * (scaled * normalized).mean(-1, keepdim=True)
-    )
-    grad_branch = grad_sum if keep is None else grad_sum * keep.reshape(-1, width) * (1.0 / (1.0 - dropout_p))
-    grad_branch_bias = grad_branch.sum(0).to(branch_bias_dtype) if branch_bias_dtype is not None else None
-    grad_weight = (grad_normalized * normalized).sum(0).to(weight.dtype)
-    grad_bias = grad_normalized.sum(0).to(bias_dtype)
-    return (
-        grad_sum.to(residual_dtype).view(shape), grad_branch.to(branch_dtype).view(shape), grad_branch_bias,
-        grad_weight, grad_bias, None, None, None, None, None,
-    )  # fmt: skip
 
 
 class _BiasGelu(torch.autograd.Function):
