@@ -39,9 +39,10 @@ class KnowGPTDropout(nn.Dropout):
 
 # In a training step compiled for a CUDA device, each `KnowGPTDropout`'s mask drawn by the package's kernel, eight
 # 16-bit uniforms per Philox evaluation, and multiplied in by the kernel inductor makes of the work around it,
-# instead of inductor drawing one Philox evaluation per element inside that kernel. Uncompiled, torch's own dropout
-# (one kernel) stays cheaper than a mask kernel and a multiply.
-DROPOUT_MASK_KERNEL = False
+# instead of inductor drawing one Philox evaluation per element inside that kernel: the handout recipe's steps 0.3-0.5 s
+# shorter in three pairs of runs (H100, benchmarks/RESULTS.md). Uncompiled, torch's own dropout (one kernel) stays
+# cheaper than a mask kernel and a multiply. False: inductor's draws.
+DROPOUT_MASK_KERNEL = True
 
 
 def _mask_kernel(states: torch.Tensor):

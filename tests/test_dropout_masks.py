@@ -60,7 +60,7 @@ def test_compiled_dropout_takes_its_mask_from_the_kernel(monkeypatch):
     p = 0.1
     dropout = layers_knowgpt.KnowGPTDropout(p).train()
     compiled = torch.compile(dropout, fullgraph=True)
-    states = torch.rand(300, 1000, device="cuda", requires_grad=True) + 1  # no zeros of its own
+    states = (torch.rand(300, 1000, device="cuda") + 1).requires_grad_()  # no zeros of its own
     dropped, codes = run_and_get_code(compiled, states)
     assert any("dropout_keep_mask" in code or "_keep_mask_kernel" in code for code in codes)
     kept = dropped != 0

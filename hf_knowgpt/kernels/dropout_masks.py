@@ -73,7 +73,9 @@ def dropout_keep_mask(shape, dropped_levels: int, device, seed: torch.Tensor | N
         raise ValueError(f"dropped_levels must lie in [0, {UNIFORM_LEVELS}], got {dropped_levels}")
     if seed is None:
         seed = draw_seed(device)
-    return _dropout_keep_mask(seed, list(shape), int(dropped_levels)).view(torch.bool)
+    # != 0, not a view as bool: dynamo cannot trace a dtype view of an op's output; compiled, inductor fuses it
+    # into the kernel that reads the mask
+    return _dropout_keep_mask(seed, list(shape), int(dropped_levels)) != 0
 
 
 def _philox_4x32_10(counter: int, key: int) -> list[int]:
