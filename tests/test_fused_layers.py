@@ -222,9 +222,12 @@ def test_kernel_drops_what_the_mask_function_drops(width):
 @pytest.mark.parametrize("width, offset", [(96, 0), (90, 0), (96, 1003)], ids=["quads", "odd-width", "odd-offset"])
 def test_stored_mask_gives_what_the_drawn_one_gives(width, offset, monkeypatch):
     """With RESIDUAL_MASK_STORED the forward kernel writes its mask as bytes and the backward kernel reads them
-    instead of drawing the mask again: outputs and every gradient (the branch's bias's included) are bit for bit
-    those of the kernels that draw it twice, on the tiles' path of four elements per Philox evaluation and on the
-    path of one per element. 150 rows make the backward programs loop; without dropout nothing is stored."""
+    instead of drawing the mask again: outputs and every gradient (the branch's bias's included) are those of the
+    kernels that draw it twice, on the tiles' path of four elements per Philox evaluation and on the path of one
+    per element, the branch's gradient zero at the same elements. Bit for bit under the interpreter; on a GPU
+    within fp32's rounding, the store making another compiled program whose sums may round otherwise (an H100 gave
+    LayerNorm outputs apart in the last bits, 2026-12-05). 150 rows make the backward programs loop; without
+    dropout nothing is stored."""
     torch.manual_seed(0)
     shape, dropout_p = (150, width), 0.25
     residual, branch, weight, bias = layer_inputs(shape, torch.float32)
@@ -250,7 +253,11 @@ def test_stored_mask_gives_what_the_drawn_one_gives(width, offset, monkeypatch):
         results.append((*outputs, *torch.autograd.grad(outputs, inputs, grads_out)))
     names = ("new residual", "normalized", *(f"gradient of {name}" for name in ("residual", "branch", "branch bias")))
     for name, drawn, read in zip((*names, "gradient of weight", "gradient of bias"), *results):
-        assert torch.equal(read, drawn), f"{name} differs with the mask stored"
+        if INTERPRETED:
+            assert torch.equal(read, drawn), f"{name} differs with the mask stored"
+        else:
+            assert_close_to(read, drawn, torch.float32, f"{name} with the mask stored")
+    assert torch.equal(results[1][3] == 0, results[0][3] == 0), "the branch's gradient vanishes elsewhere when stored"
     assert len(stored_masks) == 1, "the mask is stored once, and only when asked"
     keep = residual_dropout_keep_mask(seed, shape, dropout_p, offset=offset)
     assert torch.equal(stored_masks[0].bool(), keep)
