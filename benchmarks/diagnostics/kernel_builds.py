@@ -5,7 +5,8 @@ shared memory, and whether its products run on wgmma and its loads are staged as
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
 output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
-kernel. A table is printed last.
+kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight. A table is printed
+last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
 
@@ -27,7 +28,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_knowgpt.kernels import fused_attention, fused_layers  # noqa: E402
+from hf_knowgpt.kernels import dropout_masks, fused_attention, fused_layers  # noqa: E402
 
 POINTER_TYPES = {
     "SEED": "*i64", "LENGTHS": "*i32", "STARTS": "*i32", "LSE": "*fp32", "OUT32": "*fp32",
@@ -74,6 +75,7 @@ def attention_builds(arch):
         SCALE=32**-0.5, DROPOUT_P=0.1, HEAD_DIM=32, ROW_STRIDE=128, BLOCK=16, SPLITS=fused_attention.DEFAULT_SPLITS,
         HAS_LENGTHS=True, PACKED=True, ROTARY=False, KEY_TABLE=False, HAS_BIAS=False,
         UNIFORMS=fused_attention.UNIFORMS_PER_DRAW, PRECOMPUTED=True, INTERPRETED=False,
+        PART_STRIDE=8 * 128 * 32,  # the stacked gradient's parts apart: heads × positions × head size
     )  # fmt: skip
     for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
         constants = {name: value for name, value in {**settings, **strides_of_one}.items() if name in kernel.arg_names}
@@ -113,13 +115,25 @@ def residual_layer_norm_builds(arch):
             yield f"residual LayerNorm {kernel.fn.__name__.split('_')[-1]}, {way}", compiled
 
 
+def dropout_mask_builds(arch):
+    """(name, compiled) of the dropout-mask kernel as `dropout_masks.dropout_keep_mask` launches it, and with eight
+    warps."""
+    for num_warps in (4, 8):
+        constants = {"COUNTERS": dropout_masks.COUNTERS_PER_PROGRAM}
+        pointers = {"SEED": "*i64", "KEEP": "*i8"}
+        compiled = build(
+            dropout_masks._keep_mask_kernel, constants, pointers, ["SEED", "KEEP", "numel"], num_warps, 3, arch
+        )
+        yield f"dropout mask, {num_warps} warps", compiled
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100, H200)")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, without its warning
     rows = []
-    builds = [*attention_builds(args.arch), *residual_layer_norm_builds(args.arch)]
+    builds = [*attention_builds(args.arch), *residual_layer_norm_builds(args.arch), *dropout_mask_builds(args.arch)]
     for name, compiled in builds:
         ttgir = compiled.asm["ttgir"]
         rows.append(
