@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from transformers.cache_utils import Cache
 
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, linear, project, stacked_projection
+from .layers_knowgpt import DropoutMasks, KnowGPTDropout, linear, project, stacked_projection
 
 
 def _fused_kernel():
@@ -186,6 +186,8 @@ class AttentionContext:
     # the blocks' fused kernels (`hf_knowgpt.kernels.fused_layers`) run this call: each block then drops out
     # the attention branch inside its residual + LayerNorm kernel, so the attention layer returns it undropped
     fused_layers: bool = False
+    # this call's residual-stream dropout masks drawn at once (`layers_knowgpt.residual_dropout_masks`), or None
+    dropout_masks: DropoutMasks | None = None
     # packed self-attention group by group of rows of similar length (`KnowGPTModel.attention_by_length`)
     by_length: bool = False
     query_order: torch.Tensor | None = None  # (B or 1, Tq); None: the query positions
@@ -357,7 +359,7 @@ def branch_output(layer: nn.Module, attended: torch.Tensor, context: AttentionCo
     dropped out nor, for a plain projection, given its bias (`branch_bias`): the kernel does both."""
     if context.fused_layers:
         return linear(layer.proj, attended, bias_by_kernel=False, leave_bias_out=True)
-    return layer.resid_dropout(linear(layer.proj, attended, bias_by_kernel=False))
+    return layer.resid_dropout(linear(layer.proj, attended, bias_by_kernel=False), context.dropout_masks)
 
 
 class KnowGPTSelfAttention(nn.Module):

@@ -20,15 +20,18 @@ class KnowGPTDropout(nn.Dropout):
     generator of the tensor's device, so a seed repeats a run.
     """
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, masks: "DropoutMasks | None" = None) -> torch.Tensor:
+        """`masks`: the forward call's masks drawn together (`residual_dropout_masks`), of which this call takes the
+        next where its rate and shape are theirs."""
         if not self.training or self.p == 0 or self.p >= 1 or self.inplace:
             return super().forward(input)
         dropped_levels = round(self.p * 65536)  # of the 2¹⁶ values a 16-bit uniform takes
-        if input.device.type == "cpu":
+        keep = masks.take(input, self.p) if masks is not None else None
+        if keep is None and input.device.type == "cpu":
             words = torch.empty((input.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
             uniforms = words.view(torch.int16)[: input.numel()].view(input.shape)
             keep = uniforms >= dropped_levels - 32768
-        else:
+        elif keep is None:
             draw_mask = _mask_kernel(input)
             if draw_mask is None:
                 return super().forward(input)
@@ -55,6 +58,46 @@ def _mask_kernel(states: torch.Tensor):
     except ModuleNotFoundError:
         return None
     return dropout_keep_mask if dropout_masks_available() else None
+
+
+# Where DROPOUT_MASK_KERNEL applies, the masks of a training call's residual-stream dropouts (the embeddings' and each
+# block's two branches', one rate) drawn in one launch for the call (`residual_dropout_masks`) instead of one seed
+# and one mask launch per dropout, the launches that are most of what a kernel-drawn mask costs (RESULTS.md). False:
+# a launch per dropout.
+DROPOUT_MASKS_TOGETHER = False
+
+
+class DropoutMasks:
+    """Masks of one shape and one dropout rate drawn at once for several `KnowGPTDropout` calls of one forward pass,
+    each call taking the next (`take`), so that no two share a mask."""
+
+    def __init__(self, count: int, shape, p: float, draw, device):
+        self.p, self.shape = p, torch.Size(shape)
+        self.masks = draw((count, *shape), round(p * 65536), device)
+        self.taken = 0
+
+    def take(self, states: torch.Tensor, p: float) -> torch.Tensor | None:
+        """The next mask for a dropout at rate `p` of `states`; None where the rate or shape differ or none is left
+        (the call then draws its own)."""
+        if p != self.p or states.shape != self.shape or self.taken == len(self.masks):
+            return None
+        keep = self.masks[self.taken]
+        self.taken += 1
+        return keep
+
+
+def residual_dropout_masks(dropouts, states: torch.Tensor) -> DropoutMasks | None:
+    """`DropoutMasks` for the `KnowGPTDropout` modules `dropouts`, each to be called once in this forward pass on
+    states of `states`' shape, at the rate most of them share, where DROPOUT_MASKS_TOGETHER and DROPOUT_MASK_KERNEL
+    apply (training, compiled, on CUDA); else None."""
+    if not DROPOUT_MASKS_TOGETHER:
+        return None
+    draw = _mask_kernel(states)
+    rates = [dropout.p for dropout in dropouts if dropout.training and 0 < dropout.p < 1 and not dropout.inplace]
+    if draw is None or not rates:
+        return None
+    p = max(rates, key=rates.count)
+    return DropoutMasks(rates.count(p), states.shape, p, draw, states.device)
 
 
 def _unchanged(states: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,14 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, mlp, residual_layer_norm
+from .layers_knowgpt import (
+    DropoutMasks,
+    KnowGPTDropout,
+    causal_lm_loss,
+    mlp,
+    residual_dropout_masks,
+    residual_layer_norm,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -69,8 +76,8 @@ class KnowGPTMLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.dropout = KnowGPTDropout(config.resid_pdrop)
 
-    def forward(self, hidden_states):
-        return self.dropout(self.branch(hidden_states))
+    def forward(self, hidden_states, dropout_masks: DropoutMasks | None = None):
+        return self.dropout(self.branch(hidden_states), dropout_masks)
 
     def branch(self, hidden_states, leave_proj_bias_out: bool = False):
         """The MLP before its dropout; `leave_proj_bias_out`: see `layers_knowgpt.branch_bias`. (A fused bias + GELU
@@ -95,7 +102,7 @@ class KnowGPTBlock(GradientCheckpointingLayer):
     def forward(self, hidden_states, grid, context, cache=None):
         attended, weights = self.attn(self.ln1(hidden_states), grid, context, cache)
         hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.ln2(hidden_states)), weights
+        return hidden_states + self.mlp(self.ln2(hidden_states), context.dropout_masks), weights
 
     def forward_fused(self, hidden_states, normalized, norm_after: nn.LayerNorm, grid, context, cache=None):
         """forward() in training with the fused kernels (`KnowGPTModel.fused_layers`), given ln1(hidden_states)
@@ -381,7 +388,9 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         if self.pos_emb is not None:
             positions = context.query_positions.expand(batch_size, seq_len)
             hidden_states = hidden_states + self.pos_emb(grid.from_grid(positions))
-        embeddings = hidden_states = self.drop(hidden_states)
+        if self.training and not context.fused_layers and config.attention_type != "perceiver":
+            context.dropout_masks = self._residual_dropout_masks(hidden_states)
+        embeddings = hidden_states = self.drop(hidden_states, context.dropout_masks)
 
         if config.attention_type == "perceiver":
             hidden_states, states, attentions = self._perceiver_forward(hidden_states, grid, context, cache)
@@ -407,6 +416,15 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             attentions=tuple(attentions) if output_attentions else None,
         )
         return output if return_dict else output.to_tuple()
+
+    def _residual_dropout_masks(self, hidden_states):
+        """The masks of this training call's residual-stream dropouts drawn at once, where
+        `layers_knowgpt.DROPOUT_MASKS_TOGETHER` applies; not with gradient checkpointing, whose recomputed blocks
+        must draw again what they drew."""
+        if any(block.gradient_checkpointing for block in self.blocks):
+            return None
+        branches = [dropout for block in self.blocks for dropout in (block.attn.resid_dropout, block.mlp.dropout)]
+        return residual_dropout_masks([self.drop, *branches], hidden_states)
 
     def _attention_context(self, device, batch_size, seq_len, past_length, attention_mask, position_ids):
         """Each token's order (its index among its row's real tokens: what a key's visibility follows) and

@@ -70,3 +70,109 @@ def test_compiled_dropout_takes_its_mask_from_the_kernel(monkeypatch):
     dropped.sum().backward()
     torch.testing.assert_close(states.grad, kept.float() * scale)
     assert not torch.equal(compiled(states) != 0, kept)
+
+
+def _train_step(model, ids):
+    """One forward and backward pass in training: the loss and every parameter's gradient."""
+    model.zero_grad()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [parameter.grad.clone() for parameter in model.parameters()]
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention_type", ["vanilla", "synthesizer"])
+def test_residual_dropouts_take_their_masks_from_one_draw(attention_type, monkeypatch):
+    """DROPOUT_MASKS_TOGETHER, where the kernel's masks apply (here forced, uncompiled): one draw for the call's
+    embeddings' and blocks' branches' dropouts, each taking a mask of its own, and the step is the one in which each
+    dropout applies that mask alone; with gradient checkpointing every dropout draws its own."""
+    from conftest import perturbed_model
+
+    draws = []
+
+    def recorded_draw(shape, dropped_levels, device):
+        draws.append(tuple(shape))
+        return dropout_keep_mask(shape, dropped_levels, device)
+
+    monkeypatch.setattr(layers_knowgpt, "_mask_kernel", lambda states: recorded_draw)
+    # no dropout of attention weights: its draws would differ between the two ways
+    model = perturbed_model(attention_type, embd_pdrop=0.3, resid_pdrop=0.3, attn_pdrop=0.0).to(DEVICE).train()
+    config = model.config
+    ids = torch.randint(0, config.vocab_size - 1, (2, 9), device=DEVICE)
+    masks_per_call = 1 + 2 * config.n_layer
+    taken = []
+    real_take = layers_knowgpt.DropoutMasks.take
+
+    def recorded_take(self, states, p):
+        keep = real_take(self, states, p)
+        taken.append(keep)
+        return keep
+
+    monkeypatch.setattr(layers_knowgpt.DropoutMasks, "take", recorded_take)
+    monkeypatch.setattr(layers_knowgpt, "DROPOUT_MASKS_TOGETHER", True)
+    torch.manual_seed(5)
+    together = _train_step(model, ids)
+    assert draws == [(masks_per_call, 2, 9, config.n_embd)], "one draw of every residual-stream mask"
+    assert len(taken) == masks_per_call and all(keep is not None for keep in taken)
+    slab = taken[0]._base
+    assert all(keep._base is slab for keep in taken)
+    assert sorted(keep.storage_offset() for keep in taken) == [i * taken[0].numel() for i in range(masks_per_call)]
+
+    # each dropout applying, as the module does, the mask of its own that the calls took in this order
+    masks = iter([keep.clone() for keep in taken])
+
+    def dropout_with_the_next_mask(self, input, masks_drawn_together=None):
+        assert masks_drawn_together is None
+        return input.mul(next(masks)).mul_(65536 / (65536 - round(self.p * 65536)))
+
+    monkeypatch.setattr(layers_knowgpt, "DROPOUT_MASKS_TOGETHER", False)
+    with monkeypatch.context() as patched:
+        patched.setattr(layers_knowgpt.KnowGPTDropout, "forward", dropout_with_the_next_mask)
+        alone = _train_step(model, ids)
+    assert torch.equal(together[0], alone[0])
+    for got, want in zip(together[1], alone[1]):
+        assert torch.equal(got, want)
+
+    draws.clear()
+    taken.clear()
+    monkeypatch.setattr(layers_knowgpt, "DROPOUT_MASKS_TOGETHER", True)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    _train_step(model, ids)
+    assert not taken, "no masks drawn together with gradient checkpointing"
+    assert all(shape == (2, 9, config.n_embd) for shape in draws)  # (a CPU's dropout draws its own way)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the masks drawn together apply to compiled CUDA steps")
+def test_compiled_model_draws_its_residual_masks_once(monkeypatch):
+    """Compiled for CUDA with DROPOUT_MASKS_TOGETHER: the traced training step draws the residual stream's masks in
+    one call of the kernel, and trains (a finite loss, every parameter's gradient) as the uncompiled model does on
+    average."""
+    from conftest import perturbed_model
+
+    from hf_knowgpt.kernels import dropout_masks
+
+    draws = []
+    real_draw = dropout_masks.dropout_keep_mask
+
+    def recorded_draw(shape, dropped_levels, device, seed=None):
+        draws.append(tuple(shape))
+        return real_draw(shape, dropped_levels, device, seed)
+
+    monkeypatch.setattr(dropout_masks, "dropout_keep_mask", recorded_draw)
+    monkeypatch.setattr(layers_knowgpt, "DROPOUT_MASKS_TOGETHER", True)
+    model = perturbed_model("vanilla", embd_pdrop=0.1, resid_pdrop=0.1).cuda().train()
+    ids = torch.randint(0, model.config.vocab_size - 1, (4, 20), device="cuda")
+    compiled = torch.compile(model, fullgraph=True)
+    losses = []
+    for _ in range(8):
+        model.zero_grad()
+        loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        assert all(parameter.grad is not None for parameter in model.parameters())
+    assert draws == [(1 + 2 * model.config.n_layer, 4, 20, model.config.n_embd)]
+    assert len(set(losses)) > 1, "each step draws fresh masks"
+    model.zero_grad()
+    with torch.no_grad():
+        uncompiled = [model(ids, labels=ids).loss.item() for _ in range(8)]
+    assert abs(sum(losses) / 8 - sum(uncompiled) / 8) < 0.2

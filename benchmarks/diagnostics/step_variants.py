@@ -73,7 +73,8 @@ tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers
 dropout's mask in a compiled step drawn by the package's kernel, eight 16-bit uniforms per Philox evaluation, and
 multiplied in by inductor's kernels, instead of inductor drawing one evaluation per element inside them
 (`dropout-mask-kernel`, `layers_knowgpt.DROPOUT_MASK_KERNEL`, as it is now; `dropout-mask-by-inductor` the other
-way); cuBLAS and cuBLASLt given no
+way), the masks of the embeddings' and the blocks' branches' dropouts drawn in one launch a step instead of one each
+(`dropout-masks-together`, `layers_knowgpt.DROPOUT_MASKS_TOGETHER`); cuBLAS and cuBLASLt given no
 workspace, so no split-K product with a reduce kernel of its own (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
@@ -165,6 +166,7 @@ VARIANTS = {
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
     "dropout-mask-kernel": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": True}},
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
+    "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},
