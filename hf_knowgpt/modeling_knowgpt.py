@@ -38,14 +38,7 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import (
-    DropoutMasks,
-    KnowGPTDropout,
-    causal_lm_loss,
-    mlp,
-    residual_dropout_masks,
-    residual_layer_norm,
-)
+from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, mlp, residual_dropout_masks, residual_layer_norm
 
 logger = logging.get_logger(__name__)
 
@@ -76,7 +69,7 @@ class KnowGPTMLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
         self.dropout = KnowGPTDropout(config.resid_pdrop)
 
-    def forward(self, hidden_states, dropout_masks: DropoutMasks | None = None):
+    def forward(self, hidden_states, dropout_masks=None):
         return self.dropout(self.branch(hidden_states), dropout_masks)
 
     def branch(self, hidden_states, leave_proj_bias_out: bool = False):
@@ -86,8 +79,7 @@ class KnowGPTMLP(nn.Module):
 
 
 class KnowGPTBlock(GradientCheckpointingLayer):
-    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). Returns (states, attention
-    weights or None)."""
+    """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). Returns (states, weights or None)."""
 
     def __init__(self, config: KnowGPTConfig, layer_idx: int):
         super().__init__()
@@ -372,12 +364,10 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             implementation = "eager"
         context = self._attention_context(given.device, batch_size, seq_len, past_length, attention_mask, position_ids)
         context.implementation = implementation
-        context.fused_layers = (
-            self.fused_layers
-            and self.training
-            and config.attention_type != "perceiver"
-            and not any(block.gradient_checkpointing for block in self.blocks)  # forward_fused does not checkpoint
-        )
+        # no block recomputed: forward_fused does not checkpoint, and masks drawn together would be drawn again
+        stream_training = self.training and config.attention_type != "perceiver"
+        stream_training = stream_training and not any(block.gradient_checkpointing for block in self.blocks)
+        context.fused_layers = self.fused_layers and stream_training
         context.by_length = self.attention_by_length
         grid = TokenGrid(batch_size, seq_len, token_index)
         if inputs_embeds is None:
@@ -388,8 +378,9 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         if self.pos_emb is not None:
             positions = context.query_positions.expand(batch_size, seq_len)
             hidden_states = hidden_states + self.pos_emb(grid.from_grid(positions))
-        if self.training and not context.fused_layers and config.attention_type != "perceiver":
-            context.dropout_masks = self._residual_dropout_masks(hidden_states)
+        if stream_training and not context.fused_layers:
+            branches = (dropout for block in self.blocks for dropout in (block.attn.resid_dropout, block.mlp.dropout))
+            context.dropout_masks = residual_dropout_masks([self.drop, *branches], hidden_states)
         embeddings = hidden_states = self.drop(hidden_states, context.dropout_masks)
 
         if config.attention_type == "perceiver":
@@ -416,15 +407,6 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             attentions=tuple(attentions) if output_attentions else None,
         )
         return output if return_dict else output.to_tuple()
-
-    def _residual_dropout_masks(self, hidden_states):
-        """The masks of this training call's residual-stream dropouts drawn at once, where
-        `layers_knowgpt.DROPOUT_MASKS_TOGETHER` applies; not with gradient checkpointing, whose recomputed blocks
-        must draw again what they drew."""
-        if any(block.gradient_checkpointing for block in self.blocks):
-            return None
-        branches = [dropout for block in self.blocks for dropout in (block.attn.resid_dropout, block.mlp.dropout)]
-        return residual_dropout_masks([self.drop, *branches], hidden_states)
 
     def _attention_context(self, device, batch_size, seq_len, past_length, attention_mask, position_ids):
         """Each token's order (its index among its row's real tokens: what a key's visibility follows) and
