@@ -74,7 +74,8 @@ dropout's mask in a compiled step drawn by the package's kernel, eight 16-bit un
 multiplied in by inductor's kernels, instead of inductor drawing one evaluation per element inside them
 (`dropout-mask-kernel`, `layers_knowgpt.DROPOUT_MASK_KERNEL`, as it is now; `dropout-mask-by-inductor` the other
 way), the masks of the embeddings' and the blocks' branches' dropouts drawn in one launch a step instead of one each
-(`dropout-masks-together`, `layers_knowgpt.DROPOUT_MASKS_TOGETHER`); cuBLAS and cuBLASLt given no
+(`dropout-masks-together`, `layers_knowgpt.DROPOUT_MASKS_TOGETHER`), the masks written as bits instead of bytes
+(`dropout-mask-bits`, `dropout_masks.MASK_BITS`); cuBLAS and cuBLASLt given no
 workspace, so no split-K product with a reduce kernel of its own (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
@@ -121,7 +122,7 @@ from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = {
     "as-is": {},
-    # "fused_attention", "fused_layers", "layers_knowgpt", "multi_tensor_adamw": settings of those modules, which they
+    # "dropout_masks", "fused_attention", "fused_layers", "layers_knowgpt", "multi_tensor_adamw": settings of those modules, which they
     # read at each launch or call
     "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
     "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
@@ -167,6 +168,7 @@ VARIANTS = {
     "dropout-mask-kernel": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": True}},
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
     "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},
+    "dropout-mask-bits": {"dropout_masks": {"MASK_BITS": True}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},
@@ -229,10 +231,11 @@ def write_inductor_counters(output_dir: Path) -> None:
 def setting_modules() -> dict:
     """The modules whose settings a variant may set, by the keys of VARIANTS that name them."""
     from hf_knowgpt import attention_knowgpt, layers_knowgpt
-    from hf_knowgpt.kernels import fused_attention, fused_layers, grouped_products, multi_tensor_adamw
+    from hf_knowgpt.kernels import dropout_masks, fused_attention, fused_layers, grouped_products, multi_tensor_adamw
 
     return {
         "attention_knowgpt": attention_knowgpt,
+        "dropout_masks": dropout_masks,
         "fused_attention": fused_attention,
         "fused_layers": fused_layers,
         "grouped_products": grouped_products,
