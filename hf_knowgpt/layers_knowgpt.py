@@ -25,7 +25,7 @@ class KnowGPTDropout(nn.Dropout):
         next where its rate and shape are theirs."""
         if not self.training or self.p == 0 or self.p >= 1 or self.inplace:
             return super().forward(input)
-        dropped_levels = round(self.p * 65536)  # of the 2¹⁶ values a 16-bit uniform takes
+        dropped_levels = _dropped_levels(self.p)
         keep = masks.take(input, self.p) if masks is not None else None
         if keep is None and input.device.type == "cpu":
             words = torch.empty((input.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
@@ -46,6 +46,11 @@ class KnowGPTDropout(nn.Dropout):
 # shorter in three pairs of runs (H100, benchmarks/RESULTS.md). Uncompiled, torch's own dropout (one kernel) stays
 # cheaper than a mask kernel and a multiply. False: inductor's draws.
 DROPOUT_MASK_KERNEL = True
+
+
+def _dropped_levels(p: float) -> int:
+    """Of the 2¹⁶ values a 16-bit uniform takes, how many drop their element at dropout rate p."""
+    return round(p * 65536)
 
 
 def _mask_kernel(states: torch.Tensor):
@@ -73,7 +78,7 @@ class DropoutMasks:
 
     def __init__(self, count: int, shape, p: float, draw, device):
         self.p, self.shape = p, torch.Size(shape)
-        self.masks = draw((count, *shape), round(p * 65536), device)
+        self.masks = draw((count, *shape), _dropped_levels(p), device)
         self.taken = 0
 
     def take(self, states: torch.Tensor, p: float) -> torch.Tensor | None:

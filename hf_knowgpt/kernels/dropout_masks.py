@@ -15,7 +15,7 @@ draws. `philox_reference` computes the same uniforms in Python for the tests.
 
 import torch
 
-from .fused_attention import _interpreted, triton
+from .fused_attention import _interpreted, draw_seed, triton
 
 if triton is not None:
     import triton.language as tl
@@ -78,12 +78,6 @@ if triton is not None:
         return keep
 
 
-def draw_seed(device) -> torch.Tensor:
-    """One seed from torch's generator of the device: torch.manual_seed repeats it, and a captured CUDA graph
-    replays it with a fresh value."""
-    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
-
-
 def dropout_keep_mask(shape, dropped_levels: int, device, seed: torch.Tensor | None = None) -> torch.Tensor:
     """The boolean mask of the elements a dropout keeps: element n where its uniform (see the module's
     docstring) is at least `dropped_levels` of 2¹⁶. `seed` (a one-element int64 tensor on `device`): drawn from
@@ -129,4 +123,4 @@ def philox_reference(seed: int, numel: int) -> torch.Tensor:
     return torch.tensor(uniforms[:numel], dtype=torch.int64)
 
 
-__all__ = ["dropout_keep_mask", "dropout_masks_available", "draw_seed", "philox_reference"]
+__all__ = ["dropout_keep_mask", "dropout_masks_available", "philox_reference"]

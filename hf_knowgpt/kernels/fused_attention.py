@@ -111,6 +111,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def draw_seed(device) -> torch.Tensor:
+    """One seed for a kernel's call (its dropout), drawn from torch's generator of the device: captured CUDA graphs
+    and torch.compile both replay it with a fresh value, and torch.manual_seed reproduces it. The package's kernels
+    that draw dropout masks all take their seeds from here."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
+
+
 def _capturing(tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -697,10 +704,8 @@ def fused_causal_attention(
             raise ValueError(
                 f"packed sequences must cover every token: lengths sum to {covered}, not {query.shape[0]}"
             )
-    # One seed per call, drawn from torch's CUDA generator: captured CUDA graphs and torch.compile both
-    # replay it with a fresh value, and torch.manual_seed reproduces it.
     if seed is None:
-        seed = torch.randint(0, 2**31 - 1, (1,), device=query.device, dtype=torch.int64)
+        seed = draw_seed(query.device)
     lengths = lengths.to(torch.int32) if lengths is not None else None
     starts = starts.to(torch.int32) if starts is not None else None
     seq_len = seq_len if packed else query.shape[2]

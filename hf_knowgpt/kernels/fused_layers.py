@@ -31,7 +31,7 @@ always correct.
 import torch
 import torch.nn.functional as F
 
-from .fused_attention import _interpreted, triton
+from .fused_attention import _interpreted, draw_seed, triton
 
 if triton is not None:
     import triton.language as tl
@@ -76,12 +76,6 @@ def _kernels_apply(*tensors) -> bool:
         and all(tensor.device == device and tensor.dtype in KERNEL_DTYPES for tensor in tensors)
         and tensors[0].numel() > 0
     )
-
-
-def _draw_seed(device) -> torch.Tensor:
-    """One seed per call from torch's generator of the device, as `fused_causal_attention` draws its own:
-    torch.manual_seed repeats it, and captured CUDA graphs replay it with a fresh value."""
-    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
 
 
 def _tile(width: int, max_block: int | None = None) -> tuple[int, int, int]:
@@ -441,7 +435,7 @@ def fused_residual_layer_norm(
             residual, branch, weight, bias, eps, dropout_p, training, normalized_dtype, branch_bias
         )
     if seed is None and dropout_p > 0:
-        seed = _draw_seed(residual.device)
+        seed = draw_seed(residual.device)
     elif seed is None:  # never read: the kernels draw no mask
         seed = torch.zeros(1, dtype=torch.int64, device=residual.device)
     return _ResidualLayerNorm.apply(
