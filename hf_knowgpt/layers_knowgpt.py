@@ -67,9 +67,9 @@ def _mask_kernel(states: torch.Tensor):
 
 # Where DROPOUT_MASK_KERNEL applies, the masks of a training call's residual-stream dropouts (the embeddings' and each
 # block's two branches', one rate) drawn in one launch for the call (`residual_dropout_masks`) instead of one seed
-# and one mask launch per dropout, the launches that are most of what a kernel-drawn mask costs (RESULTS.md). False:
-# a launch per dropout.
-DROPOUT_MASKS_TOGETHER = False
+# and one mask launch per dropout, the launches that are most of what a kernel-drawn mask costs: 0.3 s less of the
+# handout's pretraining steps in six of six seeds (RESULTS.md). False: a launch per dropout.
+DROPOUT_MASKS_TOGETHER = True
 
 
 class DropoutMasks:
@@ -131,6 +131,13 @@ BIAS_GRADIENT_KERNEL_DEVICES = ("cuda",)
 # takes it, the narrow ones (`linear(..., bias_by_kernel=False)`) with their bias gradients summed by torch in
 # fp32. False: autograd's products.
 WEIGHT_GRADIENT_IN_FP32 = True
+# In a compiled training step, the narrow layers' bias gradients (`linear(..., bias_by_kernel=False)`: the attention's
+# and the MLP's output projections) by the column-sum kernel too: the weight-gradient pass
+# (`kernels.grouped_products.WeightGradientsTogether`) then takes their sums into its one launch beside their
+# products, where autograd's sum is two kernels of inductor's per layer (a partial sum and its total, 3.2 and
+# 1.5 µs in the H100 profile of benchmarks/RESULTS.md). Uncompiled, the kernel alone does not pay at their width.
+# Off until a whole run is timed with it (step_variants.py's `narrow-bias-sums-together`).
+NARROW_BIAS_SUMS_TOGETHER = False
 
 
 def _low_precision_autocast(states: torch.Tensor) -> bool:
@@ -155,6 +162,7 @@ def _linear_function(states: torch.Tensor, trained: torch.Tensor):
 
 
 def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bias_by_kernel: bool = True):
+    bias_by_kernel = bias_by_kernel or (NARROW_BIAS_SUMS_TOGETHER and torch.compiler.is_compiling())
     bias_by_kernel = bias_by_kernel and BIAS_GRADIENT_KERNEL and bias is not None
     in_fp32 = WEIGHT_GRADIENT_IN_FP32 and _low_precision_autocast(states)
     function = _linear_function(states, weight if bias is None else bias) if bias_by_kernel or in_fp32 else None
@@ -167,9 +175,10 @@ def linear(
     layer: nn.Linear, states: torch.Tensor, bias_by_kernel: bool = True, leave_bias_out: bool = False
 ) -> torch.Tensor:
     """layer(states); a plain layer (`_plain`) takes its bias gradient by the column-sum kernel where
-    BIAS_GRADIENT_KERNEL and `bias_by_kernel` say so (False: a layer too narrow for the kernel to pay), and its
-    weight gradient in fp32 where WEIGHT_GRADIENT_IN_FP32 says so. `leave_bias_out`: a plain layer's product
-    comes without its bias, which `branch_bias` gives the caller to add (another layer runs whole)."""
+    BIAS_GRADIENT_KERNEL and `bias_by_kernel` say so (False: a layer too narrow for the kernel to pay, unless
+    NARROW_BIAS_SUMS_TOGETHER applies), and its weight gradient in fp32 where WEIGHT_GRADIENT_IN_FP32 says so.
+    `leave_bias_out`: a plain layer's product comes without its bias, which `branch_bias` gives the caller to add
+    (another layer runs whole)."""
     if not _plain(layer):
         return layer(states)
     return _linear(states, layer.weight, None if leave_bias_out else layer.bias, bias_by_kernel)

@@ -288,3 +288,35 @@ def test_narrow_layers_take_the_function_only_for_fp32_weight_gradients(monkeypa
     assert torch.equal(bias_gradients[0], by_autograd)
     assert not torch.equal(bias_gradients[1], by_autograd), "the fp32 flag left the narrow layer to autograd"
     torch.testing.assert_close(bias_gradients[1], by_autograd, rtol=2**-7, atol=2**-7 * by_autograd.abs().max().item())
+
+
+@pytest.mark.skipif(
+    TRITON_INTERPRETED, reason="the interpreter would run the kernel on the trace's fake tensors, which have no data"
+)
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "together"])
+def test_narrow_layers_sum_their_bias_gradients_by_the_kernel_only_where_compiled_and_told(together, monkeypatch):
+    """NARROW_BIAS_SUMS_TOGETHER: a narrow layer (`linear(..., bias_by_kernel=False)`) sums its bias gradient by
+    `column_sums` inside a compiled graph, where the weight-gradient pass can take the sum into its launch, and by
+    torch uncompiled; off, by torch either way. (`column_sums` here gives twice the sum, so that its result shows
+    which path ran: dynamo refuses a recording side effect inside the autograd function.)"""
+    monkeypatch.setattr(layers_knowgpt, "BIAS_GRADIENT_KERNEL_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(column_sums_module, "column_sums_available", lambda: True)
+    monkeypatch.setattr(layers_knowgpt, "NARROW_BIAS_SUMS_TOGETHER", together)
+    monkeypatch.setattr(column_sums_module, "column_sums", lambda matrix: 2 * matrix.sum(0, dtype=torch.float32))
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(16, 8)
+    states = torch.randn(300, 16)
+
+    def loss_of(states):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (layers_knowgpt.linear(proj, states, bias_by_kernel=False).float() ** 2).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = proj(states)
+    fp32_sum = (2 * output.float()).sum(0)  # the bias gradient of Σ output², summed in fp32
+    (eager,) = torch.autograd.grad(loss_of(states), proj.bias)
+    torch.testing.assert_close(eager, fp32_sum, rtol=1e-5, atol=1e-5 * fp32_sum.abs().max().item())
+    torch._dynamo.reset()
+    (compiled,) = torch.autograd.grad(torch.compile(loss_of, fullgraph=True, backend="aot_eager")(states), proj.bias)
+    expected = 2 * fp32_sum if together else fp32_sum
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5 * fp32_sum.abs().max().item())

@@ -190,11 +190,15 @@ def test_the_pass_names_itself_by_its_code_not_its_address():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.mm's out_dtype, bf16 autocast)")
-def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_ones(monkeypatch):
+@pytest.mark.parametrize("narrow_sums", [False, True], ids=["wide-sums", "every-sum"])
+def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_ones(monkeypatch, narrow_sums):
     """A small model compiled with the pass and without, the same batch under bf16 autocast: with it, the op runs
-    once in the backward pass, for every linear layer's weight gradient and the wide layers' bias gradients, on its
-    kernel; every gradient agrees with the run without it (the same products and sums, summed in another order)."""
-    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+    once in the backward pass, for every linear layer's weight gradient and the wide layers' bias gradients (with
+    `layers_knowgpt.NARROW_BIAS_SUMS_TOGETHER`, every layer's), on its kernel; every gradient agrees with the run
+    without it (the same products and sums, summed in another order)."""
+    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, layers_knowgpt
+
+    monkeypatch.setattr(layers_knowgpt, "NARROW_BIAS_SUMS_TOGETHER", narrow_sums)
 
     config = KnowGPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128, attention_type="vanilla")
     torch.manual_seed(0)
@@ -228,9 +232,10 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
     monkeypatch.setattr(grouped_products, "_check_operands", checked)
     together = gradients({"post_grad_custom_post_pass": WeightGradientsTogether(column_sums=True)})
     # four linear layers a block (the attention's input and output projections, the MLP's two), and the bias sums of
-    # the two wide ones (the attention's input projection, the MLP's first layer), which `column_sums` takes
+    # the two wide ones (the attention's input projection, the MLP's first layer), which `column_sums` takes, or of
+    # all four
     assert calls == [(4 * config.n_layer, True)], calls
-    assert sums == [2 * config.n_layer], sums
+    assert sums == [(4 if narrow_sums else 2) * config.n_layer], sums
     assert apart.keys() == together.keys()
     for name in apart:
         torch.testing.assert_close(

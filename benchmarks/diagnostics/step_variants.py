@@ -74,14 +74,16 @@ dropout's mask in a compiled step drawn by the package's kernel, eight 16-bit un
 multiplied in by inductor's kernels, instead of inductor drawing one evaluation per element inside them
 (`dropout-mask-kernel`, `layers_knowgpt.DROPOUT_MASK_KERNEL`, as it is now; `dropout-mask-by-inductor` the other
 way), the masks of the embeddings' and the blocks' branches' dropouts drawn in one launch a step instead of one each
-(`dropout-masks-together`, `layers_knowgpt.DROPOUT_MASKS_TOGETHER`), the masks written as bits instead of bytes
+(`dropout-masks-together`, `layers_knowgpt.DROPOUT_MASKS_TOGETHER`, as it is now; `dropout-masks-one-by-one` the other
+way), the masks written as bits instead of bytes
 (`dropout-mask-bits`, `dropout_masks.MASK_BITS`); cuBLAS and cuBLASLt given no
 workspace, so no split-K product with a reduce kernel of its own (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
 other way), that with the tokens in two parts (`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that
 without the bias gradients, left to `column_sums`'s kernels (`weight-gradients-together-without-sums`,
-`grouped_products.COLUMN_SUMS_TOGETHER`); the attention kernel handed the queries, keys and values as one stacked
+`grouped_products.COLUMN_SUMS_TOGETHER`), that with the narrow layers' bias gradients taken into the launch too
+(`narrow-bias-sums-together`, `layers_knowgpt.NARROW_BIAS_SUMS_TOGETHER`); the attention kernel handed the queries, keys and values as one stacked
 tensor, their gradients written as one instead of concatenated after (`stacked-attention-inputs`,
 `attention_knowgpt.STACKED_ATTENTION_INPUTS`, as it is now; `three-attention-inputs` the other way); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
@@ -165,9 +167,11 @@ VARIANTS = {
     "bias-gradient-by-autograd": {"layers_knowgpt": {"BIAS_GRADIENT_KERNEL": False}},
     "fp32-weight-gradients": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": True}},
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
+    "narrow-bias-sums-together": {"layers_knowgpt": {"NARROW_BIAS_SUMS_TOGETHER": True}},
     "dropout-mask-kernel": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": True}},
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
     "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},
+    "dropout-masks-one-by-one": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": False}},
     "dropout-mask-bits": {"dropout_masks": {"MASK_BITS": True}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
