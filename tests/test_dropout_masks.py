@@ -15,17 +15,13 @@ from hf_knowgpt import layers_knowgpt
 from hf_knowgpt.kernels import dropout_masks
 from hf_knowgpt.kernels.dropout_masks import dropout_keep_mask, philox_reference
 
-MASK_WAYS = pytest.mark.parametrize("bits", [False, True], ids=["bytes", "bits"])
-
 
 @needs_kernel
-@MASK_WAYS
 @pytest.mark.parametrize("shape", [(1,), (13,), (37, 96), (3, 1000, 7)], ids=str)
 @pytest.mark.parametrize("seed", [0, 9, 2**40 + 77])
-def test_mask_is_the_stated_philox_uniforms_at_the_threshold(shape, seed, bits, monkeypatch):
+def test_mask_is_the_stated_philox_uniforms_at_the_threshold(shape, seed):
     """Every element (sizes not a multiple of 8, several programs, a seed past 32 bits) is kept exactly where
-    its uniform, computed in plain Python, is at least the threshold, the kernel writing a byte or a bit each."""
-    monkeypatch.setattr(dropout_masks, "MASK_BITS", bits)
+    its uniform, computed in plain Python, is at least the threshold."""
     dropped_levels = round(0.1 * 2**16)
     keep = dropout_keep_mask(shape, dropped_levels, DEVICE, torch.tensor([seed], device=DEVICE))
     assert keep.dtype == torch.bool and keep.shape == torch.Size(shape)
@@ -35,9 +31,7 @@ def test_mask_is_the_stated_philox_uniforms_at_the_threshold(shape, seed, bits, 
 
 
 @needs_kernel
-@MASK_WAYS
-def test_mask_keeps_at_the_rate_asked_and_repeats_with_the_seed(bits, monkeypatch):
-    monkeypatch.setattr(dropout_masks, "MASK_BITS", bits)
+def test_mask_keeps_at_the_rate_asked_and_repeats_with_the_seed():
     torch.manual_seed(0)
     for p in (0.1, 0.5):
         keep = dropout_keep_mask((200, 1000), round(p * 2**16), DEVICE)
@@ -57,15 +51,13 @@ def test_mask_keeps_at_the_rate_asked_and_repeats_with_the_seed(bits, monkeypatc
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the module's kernel mask applies to compiled CUDA steps")
-@MASK_WAYS
-def test_compiled_dropout_takes_its_mask_from_the_kernel(bits, monkeypatch):
+def test_compiled_dropout_takes_its_mask_from_the_kernel(monkeypatch):
     """Compiled on CUDA with DROPOUT_MASK_KERNEL: the step's code calls the kernel, the module drops at rate p,
     scales kept elements by 2¹⁶ / (2¹⁶ − round(p·2¹⁶)), passes gradients where it kept values, and draws anew
     each call; uncompiled, it is torch's dropout."""
     from torch._inductor.utils import run_and_get_code
 
     monkeypatch.setattr(layers_knowgpt, "DROPOUT_MASK_KERNEL", True)
-    monkeypatch.setattr(dropout_masks, "MASK_BITS", bits)
     p = 0.1
     dropout = layers_knowgpt.KnowGPTDropout(p).train()
     compiled = torch.compile(dropout, fullgraph=True)

@@ -4,8 +4,7 @@ the LayerNorm after it (7680 packed tokens × 256, the residual in fp32, the bra
 to bf16), compiled by inductor as the training step is, with the branch dropped out at p = 0.1 (inductor draws one
 Philox evaluation per element), the same with inductor's `fallback_random` (ATen's dropout kernel, four uniforms
 per evaluation, in a launch of its own), by the model's dropout with its mask drawn by the package's kernel (eight
-16-bit uniforms per evaluation, `layers_knowgpt.DROPOUT_MASK_KERNEL`; written as bytes and as bits,
-`dropout_masks.MASK_BITS`), at p = 0 (nothing drawn), and with the mask handed in as bytes (the draws' floor:
+16-bit uniforms per evaluation, `layers_knowgpt.DROPOUT_MASK_KERNEL`), at p = 0 (nothing drawn), and with the mask handed in as bytes (the draws' floor:
 reading a mask instead of drawing it). Each way runs forward only and forward + backward, in one CUDA graph,
 replayed; a table of µs is printed last.
 
@@ -24,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
 from hf_knowgpt import layers_knowgpt  # noqa: E402
-from hf_knowgpt.kernels import dropout_masks  # noqa: E402
 from hf_knowgpt.kernels.fused_layers import residual_layer_norm_reference  # noqa: E402
 from hf_knowgpt.utils.model_card import describe_device  # noqa: E402
 
@@ -93,7 +91,6 @@ def main():
         "dropout drawn by inductor (p = 0.1)": (residual_layer_norm(DROPOUT_P), (), {}),
         "dropout by ATen (fallback_random)": (residual_layer_norm(DROPOUT_P), (), {"fallback_random": True}),
         "mask by the package's kernel": (residual_layer_norm_with_kernel_mask(), (), {}),
-        "mask by the package's kernel, as bits": (residual_layer_norm_with_kernel_mask(), (), {}),
         "no dropout (p = 0)": (residual_layer_norm(0.0), (), {}),
         "mask handed in as bytes": (residual_layer_norm_with_mask, (keep,), {}),
     }
@@ -101,7 +98,6 @@ def main():
     for name, (function, extra, options) in ways.items():
         torch._dynamo.reset()  # each way compiled with its own options
         layers_knowgpt.DROPOUT_MASK_KERNEL = "package's kernel" in name
-        dropout_masks.MASK_BITS = "as bits" in name
         compiled = torch.compile(function, fullgraph=True, dynamic=False, options=options)
         rows.append(
             (name, *forward_and_both_us(compiled, (residual, branch, weight, bias, *extra), grads, args.replays))

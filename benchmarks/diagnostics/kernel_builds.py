@@ -5,7 +5,7 @@ shared memory, and whether its products run on wgmma and its loads are staged as
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
 output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
-kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight, and writing bits. A table is printed
+kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight. A table is printed
 last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
@@ -116,15 +116,15 @@ def residual_layer_norm_builds(arch):
 
 
 def dropout_mask_builds(arch):
-    """(name, compiled) of the dropout-mask kernel as `dropout_masks.dropout_keep_mask` launches it, with eight warps,
-    and writing bits (`dropout_masks.MASK_BITS`)."""
-    for num_warps, bits in ((4, False), (8, False), (4, True)):
-        constants = {"COUNTERS": dropout_masks.COUNTERS_PER_PROGRAM, "BITS": bits}
-        pointers = {"SEED": "*i64", "KEEP": "*u8" if bits else "*i8"}
+    """(name, compiled) of the dropout-mask kernel as `dropout_masks.dropout_keep_mask` launches it, and with eight
+    warps."""
+    for num_warps in (4, 8):
+        constants = {"COUNTERS": dropout_masks.COUNTERS_PER_PROGRAM}
+        pointers = {"SEED": "*i64", "KEEP": "*i8"}
         compiled = build(
             dropout_masks._keep_mask_kernel, constants, pointers, ["SEED", "KEEP", "numel"], num_warps, 3, arch
         )
-        yield f"dropout mask, {num_warps} warps{', bits' if bits else ''}", compiled
+        yield f"dropout mask, {num_warps} warps", compiled
 
 
 def main():

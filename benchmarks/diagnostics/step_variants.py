@@ -75,8 +75,7 @@ multiplied in by inductor's kernels, instead of inductor drawing one evaluation 
 (`dropout-mask-kernel`, `layers_knowgpt.DROPOUT_MASK_KERNEL`, as it is now; `dropout-mask-by-inductor` the other
 way), the masks of the embeddings' and the blocks' branches' dropouts drawn in one launch a step instead of one each
 (`dropout-masks-together`, `layers_knowgpt.DROPOUT_MASKS_TOGETHER`, as it is now; `dropout-masks-one-by-one` the other
-way), the masks written as bits instead of bytes
-(`dropout-mask-bits`, `dropout_masks.MASK_BITS`); cuBLAS and cuBLASLt given no
+way); cuBLAS and cuBLASLt given no
 workspace, so no split-K product with a reduce kernel of its own (`blas-no-workspace`, environment variables set before the run starts); the compiled step's weight-gradient products
 taken together in one launch at the end of its backward pass, with the wide layers' bias gradients
 (`weight-gradients-together`, `GraphedStepper.WEIGHT_GRADIENTS_TOGETHER`, as it is now; `weight-gradients-apart` the
@@ -172,7 +171,6 @@ VARIANTS = {
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
     "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},
     "dropout-masks-one-by-one": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": False}},
-    "dropout-mask-bits": {"dropout_masks": {"MASK_BITS": True}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},

@@ -24,10 +24,6 @@ if triton is not None:
 COUNTERS_PER_PROGRAM = 256
 UNIFORMS_PER_EVALUATION = 8
 UNIFORM_LEVELS = 2**16
-# The kernel writes the mask as bits, each evaluation's eight elements in one byte (element n in bit n mod 8 of byte
-# n // 8), which the compiled step unpacks where it reads them (True), or as a byte per element (False): an eighth of
-# the bytes to write, to keep for the backward pass and to read there, for a shift in the kernels that read them.
-MASK_BITS = False
 
 
 def dropout_masks_available() -> bool:
@@ -38,42 +34,26 @@ def dropout_masks_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _kept_bits(word, dropped_levels, FIRST_BIT: tl.constexpr):
-        """Bits FIRST_BIT and FIRST_BIT + 1 set where `word`'s low and high 16-bit uniforms keep their elements."""
-        word = word.to(tl.uint32, bitcast=True)
-        low = ((word & 0xFFFF) >= dropped_levels).to(tl.int32)
-        high = ((word >> 16) >= dropped_levels).to(tl.int32)
-        return (low << FIRST_BIT) | (high << (FIRST_BIT + 1))
-
-    @triton.jit
-    def _keep_mask_kernel(SEED, KEEP, numel, dropped_levels, COUNTERS: tl.constexpr, BITS: tl.constexpr):
+    def _keep_mask_kernel(SEED, KEEP, numel, dropped_levels, COUNTERS: tl.constexpr):
         counters = tl.program_id(0).to(tl.int64) * COUNTERS + tl.arange(0, COUNTERS)
         first, second, third, fourth = tl.randint4x(tl.load(SEED), counters)
-        if BITS:  # element 8c + j in bit j of byte c (bits past the last element are drawn and never read)
-            packed = _kept_bits(first, dropped_levels, 0) | _kept_bits(second, dropped_levels, 2)
-            packed = packed | _kept_bits(third, dropped_levels, 4) | _kept_bits(fourth, dropped_levels, 6)
-            tl.store(KEEP + counters, packed.to(tl.uint8), mask=counters * 8 < numel)
-        else:
-            lanes = tl.arange(0, 8)[None, :]
-            words = tl.where(
-                lanes < 2,
-                first[:, None],
-                tl.where(lanes < 4, second[:, None], tl.where(lanes < 6, third[:, None], fourth[:, None])),
-            ).to(tl.uint32, bitcast=True)
-            uniforms = (words >> ((lanes % 2) * 16).to(tl.uint32)) & 0xFFFF
-            elements = counters[:, None] * 8 + lanes
-            tl.store(KEEP + elements, (uniforms >= dropped_levels).to(tl.int8), mask=elements < numel)
+        lanes = tl.arange(0, 8)[None, :]
+        words = tl.where(
+            lanes < 2,
+            first[:, None],
+            tl.where(lanes < 4, second[:, None], tl.where(lanes < 6, third[:, None], fourth[:, None])),
+        ).to(tl.uint32, bitcast=True)
+        uniforms = (words >> ((lanes % 2) * 16).to(tl.uint32)) & 0xFFFF
+        elements = counters[:, None] * 8 + lanes
+        tl.store(KEEP + elements, (uniforms >= dropped_levels).to(tl.int8), mask=elements < numel)
 
     @torch.library.triton_op("knowgpt::dropout_keep_mask", mutates_args=())
-    def _dropout_keep_mask(seed: torch.Tensor, numel: int, dropped_levels: int, bits: bool) -> torch.Tensor:
-        """The mask of `numel` elements: a byte each, or with `bits` a bit each (uint8, ceil(numel / 8) bytes)."""
-        if bits:
-            keep = torch.empty((numel + 7) // 8, dtype=torch.uint8, device=seed.device)
-        else:
-            keep = torch.empty(numel, dtype=torch.int8, device=seed.device)
+    def _dropout_keep_mask(seed: torch.Tensor, numel: int, dropped_levels: int) -> torch.Tensor:
+        """The mask of `numel` elements, a byte each."""
+        keep = torch.empty(numel, dtype=torch.int8, device=seed.device)
         programs = triton.cdiv(numel, COUNTERS_PER_PROGRAM * UNIFORMS_PER_EVALUATION)
         torch.library.wrap_triton(_keep_mask_kernel)[(programs,)](
-            seed, keep, numel, dropped_levels, COUNTERS=COUNTERS_PER_PROGRAM, BITS=bits
+            seed, keep, numel, dropped_levels, COUNTERS=COUNTERS_PER_PROGRAM
         )
         return keep
 
@@ -88,12 +68,10 @@ def dropout_keep_mask(shape, dropped_levels: int, device, seed: torch.Tensor | N
         seed = draw_seed(device)
     shape = torch.Size(shape)
     numel = shape.numel()
-    keep = _dropout_keep_mask(seed, numel, int(dropped_levels), MASK_BITS)
-    if MASK_BITS:  # unpacked by shifts that inductor fuses into the kernel reading the mask
-        keep = keep[:, None].bitwise_right_shift(torch.arange(8, dtype=torch.uint8, device=keep.device)) & 1
+    keep = _dropout_keep_mask(seed, numel, int(dropped_levels))
     # != 0, not a view as bool: dynamo cannot trace a dtype view of an op's output; compiled, inductor fuses it
     # into the kernel that reads the mask
-    return keep.flatten()[:numel].view(shape) != 0
+    return keep.view(shape) != 0
 
 
 def _philox_4x32_10(counter: int, key: int) -> list[int]:
