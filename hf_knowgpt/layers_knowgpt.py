@@ -67,8 +67,8 @@ def _mask_kernel(states: torch.Tensor):
 
 # Where DROPOUT_MASK_KERNEL applies, the masks of a training call's residual-stream dropouts (the embeddings' and each
 # block's two branches', one rate) drawn in one launch for the call (`residual_dropout_masks`) instead of one seed
-# and one mask launch per dropout, the launches that are most of what a kernel-drawn mask costs: 0.3 s less of the
-# handout's pretraining steps in six of six seeds (RESULTS.md). False: a launch per dropout.
+# and one mask launch per dropout, the launches that are most of what a kernel-drawn mask costs: the handout's
+# pretraining steps 0.3-0.4 s shorter in six pairs side by side on an H100 (RESULTS.md). False: a launch per dropout.
 DROPOUT_MASKS_TOGETHER = True
 
 
@@ -134,8 +134,9 @@ WEIGHT_GRADIENT_IN_FP32 = True
 # In a compiled training step, the narrow layers' bias gradients (`linear(..., bias_by_kernel=False)`: the attention's
 # and the MLP's output projections) by the column-sum kernel too: the weight-gradient pass
 # (`kernels.grouped_products.WeightGradientsTogether`) then takes their sums into its one launch beside their
-# products, where autograd's sum is two kernels of inductor's per layer (a partial sum and its total, 3.2 and
-# 1.5 µs in the H100 profile of benchmarks/RESULTS.md). Uncompiled, the kernel alone does not pay at their width.
+# products, where autograd's sum is two of inductor's kernels per layer (partial sums, in kernels of 3.2 µs that
+# also finish the LayerNorms' sums, and their total, 1.5 µs: the H100 profile of benchmarks/RESULTS.md).
+# Uncompiled, the kernel alone does not pay at their width.
 # Off until a whole run is timed with it (step_variants.py's `narrow-bias-sums-together`).
 NARROW_BIAS_SUMS_TOGETHER = False
 

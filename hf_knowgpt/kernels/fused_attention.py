@@ -235,7 +235,7 @@ if triton is not None:
     # Each kernel reads its sequence's length (HAS_LENGTHS) and first token (PACKED) itself rather than through a
     # helper: torch.compile's analysis of what a kernel writes follows a helper's results back to every argument
     # the helper was handed, so a store at offsets from a helper given LENGTHS and STARTS counted as writing both,
-    # and the compiled step copied them before each launch (`test_compiled_launches_copy_no_input`).
+    # and the compiled step copied them before each launch (tests/test_kernel_writes.py).
 
     @triton.jit
     def _key_start(start, KEY_TABLE: tl.constexpr):
