@@ -129,6 +129,28 @@ def test_the_pass_puts_one_call_where_the_weight_gradient_products_were():
     torch.testing.assert_close(untouched, other.t() @ other)
 
 
+def test_the_pass_makes_one_call_for_each_token_count():
+    """Products over two token counts in one graph (the perceiver's latent layers beside its input layers): one call
+    each, since one launch takes one token count; run on the CPU, the graph gives fp64's products."""
+    shapes = [(32, 16), (16, 48)]
+    first_gradients, first_inputs = operands(24, shapes, "cpu", torch.bfloat16)
+    latent_gradients, latent_inputs = operands(40, shapes, "cpu", torch.bfloat16, seed=1)
+    gradients, inputs = first_gradients + latent_gradients, first_inputs + latent_inputs
+    arguments = [t for pair in zip(gradients, inputs) for t in pair]
+
+    def four_products(*pairs):
+        return [torch.mm(g.t(), x, out_dtype=torch.float32) for g, x in zip(pairs[::2], pairs[1::2])]
+
+    traced = make_fx(four_products, tracing_mode="fake")(*arguments)
+    WeightGradientsTogether()(traced.graph)
+    traced.recompile()
+    calls = [n for n in traced.graph.nodes if n.target is torch.ops.knowgpt.transposed_products.default]
+    assert [len(call.args[0]) for call in calls] == [2, 2]
+    got = torch.cat([product.flatten() for product in traced(*arguments)])
+    want = exact_products(gradients, inputs)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_the_pass_leaves_a_graph_with_one_product_as_it_is():
     gradients, inputs = operands(8, [(16, 16)], "cpu", torch.bfloat16)
 

@@ -300,10 +300,11 @@ def _column_sums_operand(node: torch.fx.Node):
 
 
 class WeightGradientsTogether(CustomGraphPass):
-    """Inductor's post-grad pass: a backward graph's fp32 weight-gradient products (two or more) become one
-    `knowgpt::transposed_products` call, placed after the last of their operands, and views of its result; with
-    `column_sums` (default: COLUMN_SUMS_TOGETHER), the column sums of their gradients that `column_sums`'s kernel
-    computes too."""
+    """Inductor's post-grad pass: a backward graph's fp32 weight-gradient products of one token count (two or more)
+    become one `knowgpt::transposed_products` call, placed after the last of their operands, and views of its result;
+    with `column_sums` (default: COLUMN_SUMS_TOGETHER), the column sums of their gradients that `column_sums`'s
+    kernel computes too. Products of another token count (the perceiver's latent layers beside its input layers)
+    make a call of their own."""
 
     def __init__(self, column_sums: bool | None = None):
         self.column_sums = COLUMN_SUMS_TOGETHER if column_sums is None else column_sums
@@ -311,9 +312,20 @@ class WeightGradientsTogether(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import stable_topological_sort
 
-        found = [(node, operands) for node in graph.nodes if (operands := _weight_gradient_operands(node))]
-        if len(found) < 2:
+        by_tokens = {}  # the products' token count (a number or a symbol's expression, as text): [(node, operands)]
+        for node in graph.nodes:
+            if operands := _weight_gradient_operands(node):
+                by_tokens.setdefault(str(operands[0].meta["val"].shape[0]), []).append((node, operands))
+        groups = [found for found in by_tokens.values() if len(found) >= 2]
+        if not groups:
             return
+        for found in groups:
+            self._take_together(graph, found)
+        stable_topological_sort(graph)  # a product's users may have come before its operands' last
+        graph.lint()
+
+    def _take_together(self, graph: torch.fx.Graph, found) -> None:
+        """One call for the products `found` ((node, (gradient, input)) of one token count), and the sums."""
         order = {node: position for position, node in enumerate(graph.nodes)}
         gradients = [gradient for _, (gradient, _) in found]
         inputs = [states for _, (_, states) in found]
@@ -347,8 +359,6 @@ class WeightGradientsTogether(CustomGraphPass):
         for node in reversed(sorted(set(unused), key=order.__getitem__)):  # users before what they use
             if not node.users:
                 graph.erase_node(node)
-        stable_topological_sort(graph)  # a product's users may have come before its operands' last
-        graph.lint()
 
     def uuid(self) -> str:
         return get_hash_for_files((__file__,)).hex() + ("-column-sums" if self.column_sums else "")
