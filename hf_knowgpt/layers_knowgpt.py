@@ -23,7 +23,7 @@ class KnowGPTDropout(nn.Dropout):
     def forward(self, input: torch.Tensor, masks: "DropoutMasks | None" = None) -> torch.Tensor:
         """`masks`: the forward call's masks drawn together (`residual_dropout_masks`), of which this call takes the
         next where its rate and shape are theirs."""
-        if not self.training or self.p == 0 or self.p >= 1 or self.inplace:
+        if not self.drops():
             return super().forward(input)
         dropped_levels = _dropped_levels(self.p)
         keep = masks.take(input, self.p) if masks is not None else None
@@ -38,6 +38,10 @@ class KnowGPTDropout(nn.Dropout):
             keep = draw_mask(input.shape, dropped_levels, input.device)
         # mul by the bool mask saves only the mask for backward; the in-place scale saves nothing
         return input.mul(keep).mul_(65536 / (65536 - dropped_levels))
+
+    def drops(self) -> bool:
+        """Whether a call draws a mask of its own kind (else it is `nn.Dropout`'s: evaluation, p 0 or 1, in place)."""
+        return self.training and 0 < self.p < 1 and not self.inplace
 
 
 # In a training step compiled for a CUDA device, each `KnowGPTDropout`'s mask drawn by the package's kernel, eight
@@ -98,7 +102,7 @@ def residual_dropout_masks(dropouts, states: torch.Tensor) -> DropoutMasks | Non
     if not DROPOUT_MASKS_TOGETHER:
         return None
     draw = _mask_kernel(states)
-    rates = [dropout.p for dropout in dropouts if dropout.training and 0 < dropout.p < 1 and not dropout.inplace]
+    rates = [dropout.p for dropout in dropouts if dropout.drops()]
     if draw is None or not rates:
         return None
     p = max(rates, key=rates.count)
