@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -39,8 +38,7 @@ def residual_layer_norm(dropout_p):
 
 def residual_layer_norm_with_mask(residual, branch, weight, bias, keep):
     """The same with the dropout mask given: what a mask drawn elsewhere would leave to this kernel."""
-    summed = residual + branch * keep * (1.0 / (1.0 - DROPOUT_P))
-    return summed, F.layer_norm(summed, (WIDTH,), weight, bias, EPS).to(torch.bfloat16)
+    return residual_layer_norm(0.0)(residual, branch * keep * (1.0 / (1.0 - DROPOUT_P)), weight, bias)
 
 
 def residual_layer_norm_with_kernel_mask():
@@ -49,8 +47,7 @@ def residual_layer_norm_with_kernel_mask():
     dropout = layers_knowgpt.KnowGPTDropout(DROPOUT_P)
 
     def function(residual, branch, weight, bias):
-        summed = residual + dropout(branch)
-        return summed, F.layer_norm(summed, (WIDTH,), weight, bias, EPS).to(torch.bfloat16)
+        return residual_layer_norm(0.0)(residual, dropout(branch), weight, bias)
 
     return function
 
