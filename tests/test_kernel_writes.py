@@ -5,8 +5,9 @@ Compiled code gives every argument that its analysis of a kernel takes for writt
 attention kernels once read their sequences' lengths and first tokens through a helper, whose results the
 analysis follows back to every argument the helper was handed: their LENGTHS and STARTS counted as written, and
 each compiled step copied them before each attention launch. The analysis here is torch's own
-(`identify_accessed_tensors`), run on each launch as the package makes it, for an sm_90 target: it needs Triton,
-not a GPU (`pip install -e ".[triton]"`).
+(`identify_accessed_tensors`), run on each launch as the package makes it, for an sm_90 target. The copy is also
+why no argument a kernel writes may share memory with another (the attention kernels' launches are checked for it).
+These need Triton, not a GPU (`pip install -e ".[triton]"`).
 """
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the analysis builds each kernel's Triton IR (CPU torch comes without)")
 
+from hf_knowgpt.attention_knowgpt import rotary_angles  # noqa: E402
 from hf_knowgpt.kernels import column_sums, dropout_masks, fused_attention, fused_layers  # noqa: E402
 
 
@@ -25,38 +27,41 @@ class _Recorded:
 
     def __getitem__(self, grid):
         def launch(*arguments, **options):
-            named = dict(zip(self.kernel.arg_names, arguments)) | options
-            self.launches.append((self.kernel, {name: named[name] for name in self.kernel.arg_names}))
+            self.launches.append((self.kernel, dict(zip(self.kernel.arg_names, arguments)) | options))
 
         return launch
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    """Launches through `torch.library.wrap_triton` and of the fused layers' kernels, recorded; Triton's active
-    driver set to an sm_90 target for the analysis, which asks the driver for one."""
+def sm90(monkeypatch):
+    """Triton's active driver set to an sm_90 target for the analysis, which asks the driver for one."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
-
-    recorded = []
-    monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: _Recorded(kernel, recorded))
-    for name in ("_residual_layer_norm_forward", "_residual_layer_norm_backward", "_bias_gelu_forward",
-                 "_bias_gelu_backward"):  # fmt: skip
-        monkeypatch.setattr(fused_layers, name, _Recorded(getattr(fused_layers, name), recorded))
 
     class Sm90:
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
 
     monkeypatch.setattr(driver, "_active", Sm90())  # restored after: a CPU has no driver to reset to
-    yield recorded
+
+
+@pytest.fixture
+def launches(sm90, monkeypatch):
+    """Launches through `torch.library.wrap_triton` and of the fused layers' kernels, recorded."""
+    recorded = []
+    monkeypatch.setattr(torch.library, "wrap_triton", lambda kernel: _Recorded(kernel, recorded))
+    for name in ("_residual_layer_norm_forward", "_residual_layer_norm_backward", "_bias_gelu_forward",
+                 "_bias_gelu_backward"):  # fmt: skip
+        monkeypatch.setattr(fused_layers, name, _Recorded(getattr(fused_layers, name), recorded))
+    return recorded
 
 
 def written(kernel, arguments) -> set[str]:
     """The tensor arguments torch.compile takes `kernel` to write at this launch."""
     from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
 
-    accesses = identify_accessed_tensors(kernel, dict(arguments), {})
+    arguments = {name: arguments[name] for name in kernel.arg_names}  # a recording may hold launch options too
+    accesses = identify_accessed_tensors(kernel, arguments, {})
     return {dep.name for dep in accesses.read_writes.writes if isinstance(arguments[dep.name], torch.Tensor)}
 
 
@@ -67,45 +72,80 @@ def assert_writes(launches, expected):
         assert written(kernel, arguments) == set(expected[kernel.fn.__name__]), kernel.fn.__name__
 
 
-@pytest.mark.parametrize("call", ["packed-stacked", "packed", "packed-rotary", "grid-lengths", "grid-key-table-bias"])
-def test_attention_kernels_write_only_their_outputs(launches, call):
-    """The forward, correction and backward kernels at the handout's packed launch (inputs stacked), with three
-    inputs, with rotary, on the (B, H, T, D) grid with lengths, and with keys by position and a bias."""
-    from hf_knowgpt.attention_knowgpt import rotary_angles
+ATTENTION_CALLS = ["grid", "grid-lengths", "packed", "packed-rotary", "packed-stacked", "grid-key-table-bias"]
 
+
+def attention_launches(call):
+    """The attention kernels' launches, recorded (`fused_attention.recorded_launches`), for a forward and backward
+    call of one shape: on the (B, H, T, D) grid as the model's views of one projection give it, with lengths, packed
+    tokens (with rotary, with the inputs stacked), keys by position with a bias. Returns the launches and what each
+    kernel is meant to write."""
     heads, head_dim, length = 2, 16, 20
     lengths = starts = rotary = bias = stacked = None
     if call.startswith("packed"):
         lengths, starts = torch.tensor([20, 15], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32)
         query, key, value = (torch.randn(35, heads, head_dim, dtype=torch.bfloat16) for _ in range(3))
-        if call == "packed-stacked":
-            stacked = torch.randn(35, 3, heads, head_dim, dtype=torch.bfloat16)
-            query, key, value = stacked.unbind(1)
         if call == "packed-rotary":
             rotary = rotary_angles(torch.arange(length), head_dim, 10000.0)
+        if call == "packed-stacked":  # one tensor in, one gradient out
+            stacked = torch.randn(35, 3, heads, head_dim, dtype=torch.bfloat16)
+            query, key, value = stacked.unbind(1)
     else:
-        query, key, value = (torch.randn(2, heads, length, head_dim, dtype=torch.bfloat16) for _ in range(3))
-        lengths = torch.tensor([20, 7], dtype=torch.int32)
+        projected = torch.randn(2, length, 3 * heads * head_dim, dtype=torch.bfloat16)
+        query, key, value = (x.unflatten(-1, (heads, head_dim)).transpose(1, 2) for x in projected.chunk(3, -1))
+        if call == "grid-lengths":
+            lengths = torch.tensor([20, 7], dtype=torch.int32)
         if call == "grid-key-table-bias":
             key, bias = torch.randn(length, head_dim, dtype=torch.bfloat16), torch.randn(length)
     cos, sin = rotary if rotary is not None else (None, None)
-    seed, options = torch.tensor([1]), (length, 0.25, 0.1, 2, 16)
+    seed, options = torch.tensor([1]), (length, 0.25, 0.1, 3, 16)
     inputs = (query, key, value) if stacked is None else (stacked, None, None)
-    out, out32, lse, _, _ = fused_attention._causal_attention_forward(
-        *inputs, seed, lengths, starts, cos, sin, bias, *options
-    )
-    fused_attention._causal_attention_backward(
-        out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options, stacked is not None
-    )
-    gradients = ["GRAD_Q"] if stacked is not None else ["GRAD_Q", "GRAD_K", "GRAD_V"]
-    assert_writes(
-        launches,
-        {
-            "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
-            "_correction_kernel": ["CORRECTION"],
-            "_backward_kernel": gradients + (["GRAD_BIAS"] if bias is not None else []),
-        },
-    )
+    with fused_attention.recorded_launches() as launches:
+        out, out32, lse, _, _ = torch.ops.knowgpt.causal_attention_forward(
+            *inputs, seed, lengths, starts, cos, sin, bias, *options
+        )
+        torch.ops.knowgpt.causal_attention_backward(
+            out, query, key, value, out32, lse, seed, lengths, starts, cos, sin, bias, *options, stacked is not None
+        )
+    gradients = ["GRAD_Q"] if stacked is not None else ["GRAD_Q", "GRAD_K", "GRAD_V"]  # stacked: one, in GRAD_Q
+    written = {
+        "_forward_kernel": ["OUT", "OUT32", "LSE"] + (["QR", "KR"] if rotary is not None else []),
+        "_correction_kernel": ["CORRECTION"],
+        "_backward_kernel": gradients + (["GRAD_BIAS"] if bias is not None else []),
+    }
+    return launches, written
+
+
+@pytest.mark.parametrize("call", ATTENTION_CALLS)
+def test_attention_kernels_write_only_their_outputs(sm90, call):
+    """The forward, correction and backward kernels in each of `attention_launches`' calls, the handout's packed
+    launch with its inputs stacked among them."""
+    assert_writes(*attention_launches(call))
+
+
+@pytest.mark.parametrize("call", ATTENTION_CALLS)
+def test_no_written_kernel_argument_shares_memory_with_another(call):
+    """torch.compile replaces each kernel argument it takes for written by a copy made before the launch
+    and rebinds that argument's tensor to it, one argument after another: a tensor passed as two arguments
+    may end up bound to the copy the kernel never wrote (how the perceiver's compiled latent blocks once
+    trained on stale gradients). So each written argument must be memory of its own."""
+    launches, written = attention_launches(call)
+    assert [kernel.fn.__name__ for kernel, _ in launches] == [
+        "_forward_kernel",
+        "_correction_kernel",
+        "_backward_kernel",
+    ]
+    for kernel, arguments in launches:
+        name = kernel.fn.__name__
+        tensors = {argument: value for argument, value in arguments.items() if isinstance(value, torch.Tensor)}
+        for output in written[name]:
+            storage = tensors[output].untyped_storage().data_ptr()
+            sharing = [
+                other
+                for other, value in tensors.items()
+                if other != output and value.untyped_storage().data_ptr() == storage
+            ]
+            assert not sharing, f"{name}: {output} shares memory with {sharing}"
 
 
 def test_column_sums_and_dropout_mask_kernels_write_only_their_outputs(launches):
