@@ -141,8 +141,9 @@ WEIGHT_GRADIENT_IN_FP32 = True
 # products, where autograd's sum is two of inductor's kernels per layer (partial sums, in kernels of 3.2 µs that
 # also finish the LayerNorms' sums, and their total, 1.5 µs: the H100 profile of benchmarks/RESULTS.md).
 # Uncompiled, the kernel alone does not pay at their width.
-# Off until a whole run is timed with it (step_variants.py's `narrow-bias-sums-together`).
-NARROW_BIAS_SUMS_TOGETHER = False
+# On: 0.2–0.3 s less of a whole run's steps in five of six pairs on an H100 (benchmarks/RESULTS.md;
+# step_variants.py's `narrow-bias-sums-apart` is the other way).
+NARROW_BIAS_SUMS_TOGETHER = True
 
 
 def _low_precision_autocast(states: torch.Tensor) -> bool:

@@ -82,7 +82,8 @@ taken together in one launch at the end of its backward pass, with the wide laye
 other way), that with the tokens in two parts (`weight-gradients-together-splits2`, `grouped_products.SPLITS`), that
 without the bias gradients, left to `column_sums`'s kernels (`weight-gradients-together-without-sums`,
 `grouped_products.COLUMN_SUMS_TOGETHER`), that with the narrow layers' bias gradients taken into the launch too
-(`narrow-bias-sums-together`, `layers_knowgpt.NARROW_BIAS_SUMS_TOGETHER`); the attention kernel handed the queries, keys and values as one stacked
+(`narrow-bias-sums-together`, `layers_knowgpt.NARROW_BIAS_SUMS_TOGETHER`, as it is now; `narrow-bias-sums-apart` the
+other way); the attention kernel handed the queries, keys and values as one stacked
 tensor, their gradients written as one instead of concatenated after (`stacked-attention-inputs`,
 `attention_knowgpt.STACKED_ATTENTION_INPUTS`, as it is now; `three-attention-inputs` the other way); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
@@ -167,6 +168,7 @@ VARIANTS = {
     "fp32-weight-gradients": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": True}},
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
     "narrow-bias-sums-together": {"layers_knowgpt": {"NARROW_BIAS_SUMS_TOGETHER": True}},
+    "narrow-bias-sums-apart": {"layers_knowgpt": {"NARROW_BIAS_SUMS_TOGETHER": False}},
     "dropout-mask-kernel": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": True}},
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
     "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},
