@@ -5,8 +5,8 @@ shared memory, and whether its products run on wgmma and its loads are staged as
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
 output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
-kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight. A table is printed
-last.
+kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor update's AdamW kernel
+without weight copies and writing bf16 ones (`layers_knowgpt.WEIGHT_COPIES_BY_UPDATE`). A table is printed last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
 
@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hf_knowgpt.kernels import dropout_masks, fused_attention, fused_layers  # noqa: E402
+from hf_knowgpt.kernels import dropout_masks, fused_attention, fused_layers, multi_tensor_adamw  # noqa: E402
 
 POINTER_TYPES = {
     "SEED": "*i64", "LENGTHS": "*i32", "STARTS": "*i32", "LSE": "*fp32", "OUT32": "*fp32",
@@ -127,13 +127,28 @@ def dropout_mask_builds(arch):
         yield f"dropout mask, {num_warps} warps", compiled
 
 
+def update_builds(arch):
+    """(name, compiled) of the multi-tensor update's AdamW kernel as `MultiTensorAdamW.step` launches it, without
+    weight copies and writing bf16 ones."""
+    pointers = {
+        "GRADIENT_ADDRESSES": "*i64", "EXP_AVG": "*fp32", "EXP_AVG_SQ": "*fp32", "ADDRESSES": "*i64",
+        "BLOCK_TENSOR": "*i32", "BLOCK_START": "*i32", "OFFSETS": "*i64", "NUMELS": "*i32", "WEIGHT_DECAYS": "*fp32",
+        "SCALARS": "*fp32", "COPY_ADDRESSES": "*i64", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
+    }  # fmt: skip
+    for copies in (False, True):
+        constants = {"COPIES": copies, "COPY_BF16": True, "BLOCK": multi_tensor_adamw.UPDATE_BLOCK}
+        compiled = build(multi_tensor_adamw._update, constants, pointers, list(pointers)[:11], 4, 3, arch)
+        yield f"AdamW update{', writing bf16 weight copies' if copies else ''}", compiled
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability × 10 (90: H100, H200)")
     args = parser.parse_args()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, without its warning
     rows = []
-    builds = [*attention_builds(args.arch), *residual_layer_norm_builds(args.arch), *dropout_mask_builds(args.arch)]
+    builds = [*attention_builds(args.arch), *residual_layer_norm_builds(args.arch), *dropout_mask_builds(args.arch),
+              *update_builds(args.arch)]  # fmt: skip
     for name, compiled in builds:
         ttgir = compiled.asm["ttgir"]
         rows.append(

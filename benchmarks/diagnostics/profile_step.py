@@ -212,4 +212,4 @@ if __name__ == "__main__":
     trainer.KnowGPTTrainer.optimizer_step = profiled_step
     fast_path.GraphedStepper.run = profiled_graphed_run
     sys.argv = ["train.py", *arguments]
-    cli.main_guard(train.main)
+    cli.run_script(train.main)  # as scripts/train.py runs it: the collector held until the libraries are loaded
