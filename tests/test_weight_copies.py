@@ -4,6 +4,11 @@ them; the graphed step's multi-tensor update keeps them equal to the weights (on
 is tested in tests/test_multi_tensor_adamw.py."""
 
 import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -70,7 +75,10 @@ def test_layers_find_their_copy_only_in_order_and_under_autocast_of_its_dtype():
     assert layers_knowgpt._weight_copy(qkv, states) is None  # no autocast: the fp32 weights
 
 
-def loss_and_gradients(model, input_ids, compiled=False):
+def loss_function(model, compiled: bool):
+    """The model's bf16 loss and parameter gradients for some input ids; traced by dynamo once, where `compiled`,
+    and then called as it was traced (a compiled step reads the copies at every call)."""
+
     def loss_of(input_ids):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model(input_ids=input_ids, labels=input_ids).loss
@@ -78,10 +86,14 @@ def loss_and_gradients(model, input_ids, compiled=False):
     if compiled:
         torch._dynamo.reset()
         loss_of = torch.compile(loss_of, fullgraph=True, backend="aot_eager")
-    model.zero_grad(set_to_none=True)
-    loss = loss_of(input_ids)
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def loss_and_gradients(input_ids):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(input_ids)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    return loss_and_gradients
 
 
 @pytest.mark.parametrize("attention_type", ["vanilla", "perceiver"])
@@ -90,12 +102,13 @@ def test_a_model_reading_its_copies_computes_what_it_computes_without_them(
     products_by_the_package, attention_type, compiled
 ):
     """The same loss and every parameter's gradient, bit for bit, with the copies read (traced by dynamo too, as a
-    compiled step reads them); and they are read: a changed copy changes the loss."""
+    compiled step reads them); and they are read at every call: a copy changed after the trace changes the loss."""
     model = tiny_model(attention_type).train()
     input_ids = torch.randint(0, model.config.vocab_size - 1, (3, model.config.block_size))
-    want_loss, want_gradients = loss_and_gradients(model, input_ids, compiled)
+    want_loss, want_gradients = loss_function(model, compiled)(input_ids)
     pairs = layers_knowgpt.attach_weight_copies(model, torch.bfloat16)
-    loss, gradients = loss_and_gradients(model, input_ids, compiled)
+    with_copies = loss_function(model, compiled)
+    loss, gradients = with_copies(input_ids)
     assert torch.equal(loss, want_loss)
     assert gradients.keys() == want_gradients.keys()
     for name, gradient in gradients.items():
@@ -103,7 +116,7 @@ def test_a_model_reading_its_copies_computes_what_it_computes_without_them(
     with torch.no_grad():
         for _, weight_copy in pairs:
             weight_copy.mul_(0.5)
-    changed, _ = loss_and_gradients(model, input_ids, compiled)
+    changed, _ = with_copies(input_ids)
     assert not torch.equal(changed, want_loss)
 
 
@@ -185,3 +198,59 @@ def test_training_takes_the_copies_away_when_it_ends(tmp_path, monkeypatch):
     args = TrainingArguments(output_dir=str(tmp_path), max_epochs=1, batch_size=16, training_path="plain")
     KnowGPTTrainer(model, data, args).train()
     assert not any(hasattr(m, layers_knowgpt.WEIGHT_COPY) for m in model.modules())
+
+
+# A linear layer reading its copy, compiled whole (`PrecompiledFunction`) and kept in a functions file: loaded
+# first where the file is there, saved after. Prints the losses with the copy as attached and halved, compiled and
+# uncompiled.
+COPY_READING_STEP = textwrap.dedent(
+    """
+    import json, sys, torch
+    from pathlib import Path
+    from hf_knowgpt import layers_knowgpt
+    from hf_knowgpt.kernels import column_sums as column_sums_module
+    from hf_knowgpt.training.compile_cache import PrecompiledFunction, load_functions, save_functions
+
+    layers_knowgpt.BIAS_GRADIENT_KERNEL_DEVICES = ("cuda", "cpu")
+    column_sums_module.column_sums_available = lambda: True
+    column_sums_module.column_sums = lambda matrix: matrix.sum(0, dtype=torch.float32)
+
+    def step(module, inputs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (layers_knowgpt.linear(module[0], inputs).float() ** 2).mean()
+
+    path = Path(sys.argv[1])
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    (pair,) = layers_knowgpt.attach_weight_copies(module, torch.bfloat16)
+    compiled = PrecompiledFunction(step, "step")
+    loaded = load_functions(path, [compiled])
+    inputs = torch.randn(4, 16)
+    losses, eager = [compiled(module, inputs).item()], [step(module, inputs).item()]
+    with torch.no_grad():
+        pair[1].mul_(0.5)
+    losses.append(compiled(module, inputs).item())
+    eager.append(step(module, inputs).item())
+    saved = save_functions(path, [compiled])
+    print(json.dumps({"loaded": loaded, "saved": saved, "losses": losses, "eager": eager}))
+    """
+)
+
+
+def test_a_step_loaded_from_its_file_reads_the_copies_of_its_own_process(tmp_path):
+    """The package keeps a compiled step (`compile_cache.save_functions`) for later processes: one that loads it
+    reads its own model's copies at every call, as the process that traced it did."""
+    path = tmp_path / "step.functions"
+    runs = []
+    for name in ("first", "later"):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
+        completed = subprocess.run([sys.executable, "-c", COPY_READING_STEP, str(path)], env=env,
+                                   capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        runs.append(json.loads(completed.stdout.strip().splitlines()[-1]))
+    first, later = runs
+    assert not first["loaded"] and first["saved"] and later["loaded"]
+    assert later["losses"] == first["losses"]
+    assert first["losses"][1] != first["losses"][0]
+    for run in runs:
+        assert run["losses"] == pytest.approx(run["eager"], rel=1e-5)
