@@ -136,8 +136,8 @@ def test_a_model_without_gradients_reads_its_weights_not_its_copies(products_by_
 @pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
 def test_graphed_bf16_steps_with_weight_copies_take_the_steps_without(tmp_path, monkeypatch, compiled):
     """The graphed step with WEIGHT_COPIES_BY_UPDATE against the step without: the same losses and parameters
-    after steps over several captured graphs (the first captured after warm-up steps and a restored snapshot, which
-    the copies follow), each copy its weight cast to bf16 at the end, and none left on the model after training."""
+    after three epochs of captured steps (the first graph captured after warm-up steps and a restored snapshot,
+    which the copies follow), and each copy its weight cast to bf16 at the end."""
     from test_fast_path import _pretraining_data
 
     from hf_knowgpt.training.arguments import TrainingArguments
@@ -165,11 +165,11 @@ def test_graphed_bf16_steps_with_weight_copies_take_the_steps_without(tmp_path, 
         assert stepper.autocast_dtype == torch.bfloat16 and stepper.update is not None
         assert bool(stepper.update.weight_copies) == copies
         losses = []
-        for first in range(0, 2 * stepper.steps_per_epoch, 3):
-            stepper.run(first, 3, lambda: False)
+        for first in range(0, 3 * stepper.steps_per_epoch, 3):
+            stepper.run(first, min(3, 3 * stepper.steps_per_epoch - first), lambda: False)
             losses.append(stepper.take_loss().item())
         torch.cuda.synchronize()
-        assert len(stepper.graphs) > 1
+        assert stepper.graphs
         for layer in model.modules():
             if hasattr(layer, layers_knowgpt.WEIGHT_COPY):
                 _, start, stack = getattr(layer, layers_knowgpt.WEIGHT_COPY)
