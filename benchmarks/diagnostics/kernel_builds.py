@@ -137,7 +137,8 @@ def update_builds(arch):
     }  # fmt: skip
     for copies in (False, True):
         constants = {"COPIES": copies, "COPY_BF16": True, "BLOCK": multi_tensor_adamw.UPDATE_BLOCK}
-        compiled = build(multi_tensor_adamw._update, constants, pointers, list(pointers)[:11], 4, 3, arch)
+        addresses = [name for name, kind in pointers.items() if kind.startswith("*")]
+        compiled = build(multi_tensor_adamw._update, constants, pointers, addresses, 4, 3, arch)
         yield f"AdamW update{', writing bf16 weight copies' if copies else ''}", compiled
 
 

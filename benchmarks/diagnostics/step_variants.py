@@ -126,8 +126,8 @@ from bench_processes import launch  # noqa: E402  (benchmarks/ is not a package)
 
 VARIANTS = {
     "as-is": {},
-    # "dropout_masks", "fused_attention", "fused_layers", "layers_knowgpt", "multi_tensor_adamw": settings of those modules, which they
-    # read at each launch or call
+    # "attention_knowgpt", "fused_attention", "fused_layers", "grouped_products", "layers_knowgpt", "multi_tensor_adamw":
+    # settings of those modules, which they read at each launch or call
     "splits3": {"fused_attention": {"DEFAULT_SPLITS": 3}},
     "splits1": {"fused_attention": {"DEFAULT_SPLITS": 1}},
     "splits2": {"fused_attention": {"DEFAULT_SPLITS": 2}},
@@ -238,11 +238,10 @@ def write_inductor_counters(output_dir: Path) -> None:
 def setting_modules() -> dict:
     """The modules whose settings a variant may set, by the keys of VARIANTS that name them."""
     from hf_knowgpt import attention_knowgpt, layers_knowgpt
-    from hf_knowgpt.kernels import dropout_masks, fused_attention, fused_layers, grouped_products, multi_tensor_adamw
+    from hf_knowgpt.kernels import fused_attention, fused_layers, grouped_products, multi_tensor_adamw
 
     return {
         "attention_knowgpt": attention_knowgpt,
-        "dropout_masks": dropout_masks,
         "fused_attention": fused_attention,
         "fused_layers": fused_layers,
         "grouped_products": grouped_products,
