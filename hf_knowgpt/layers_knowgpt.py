@@ -144,16 +144,6 @@ WEIGHT_GRADIENT_IN_FP32 = True
 # On: 0.2–0.3 s less of a whole run's steps in five of six pairs on an H100 (benchmarks/RESULTS.md;
 # step_variants.py's `narrow-bias-sums-apart` is the other way).
 NARROW_BIAS_SUMS_TOGETHER = True
-# bf16 copies of the plain linear layers' weights, written by the graphed step's multi-tensor update after each step
-# (`attach_weight_copies`, `kernels.multi_tensor_adamw`) and read by the products under bf16 autocast, where
-# autocast otherwise casts every fp32 weight in every forward pass (inductor's combo kernels, about 19 MB of reads
-# and writes a step for the handout model, in seven launches). Off until a whole run is timed with it
-# (step_variants.py's `weight-copies-by-update`).
-WEIGHT_COPIES_BY_UPDATE = False
-# The attribute of a layer that has a copy: (its group, its first row in the group's stack, the stack). The plain
-# linear layers of one module that take one input width form a group, their copies rows of one stacked tensor in
-# the order the module holds them, so that layers run as one product (`project`) read their copies as one.
-WEIGHT_COPY = "low_precision_weight_copy"
 
 
 def _low_precision_autocast(states: torch.Tensor) -> bool:
@@ -177,73 +167,14 @@ def _linear_function(states: torch.Tensor, trained: torch.Tensor):
     return linear_with_summed_bias_gradient if column_sums_available() else None
 
 
-def attach_weight_copies(model: nn.Module, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Give every plain linear layer of `model` whose weight trains a `dtype` copy of its weight (`WEIGHT_COPY`),
-    filled from the weight; (weight, copy) pairs, for whoever keeps the copies equal to the weights (the
-    multi-tensor update writes them after each step). `detach_weight_copies` takes them away again."""
-    pairs, group = [], 0
-    for module in model.modules():
-        by_width = {}
-        for layer in module.children():
-            if _plain(layer) and layer.weight.requires_grad:
-                by_width.setdefault(layer.in_features, []).append(layer)
-        for width, layers in by_width.items():
-            weight = layers[0].weight
-            stack = torch.empty(sum(layer.out_features for layer in layers), width, dtype=dtype, device=weight.device)
-            start = 0
-            for layer in layers:
-                copy = stack[start : start + layer.out_features]
-                with torch.no_grad():
-                    copy.copy_(layer.weight)
-                setattr(layer, WEIGHT_COPY, (group, start, stack))
-                pairs.append((layer.weight, copy))
-                start += layer.out_features
-            group += 1
-    return pairs
-
-
-def detach_weight_copies(model: nn.Module) -> None:
-    """Take away the copies `attach_weight_copies` gave: nothing writes them once the update that did is gone."""
-    for layer in model.modules():
-        if hasattr(layer, WEIGHT_COPY):
-            delattr(layer, WEIGHT_COPY)
-
-
-def _weight_copy(layers, states: torch.Tensor) -> torch.Tensor | None:
-    """The copy of `layers`' weights concatenated (`attach_weight_copies`): rows of one stack, where every layer
-    has one, they follow each other in its group, and autocast's dtype is theirs; else None."""
-    copies = [getattr(layer, WEIGHT_COPY, None) for layer in layers]
-    if any(copy is None for copy in copies) or not _low_precision_autocast(states):
-        return None
-    group, start, stack = copies[0]
-    end = start
-    for layer, (layer_group, layer_start, _) in zip(layers, copies):
-        if layer_group != group or layer_start != end:
-            return None
-        end += layer.out_features
-    if stack.dtype != torch.get_autocast_dtype(states.device.type):
-        return None
-    return stack[start:end]
-
-
-def _linear(
-    states: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    bias_by_kernel: bool = True,
-    weight_copy: torch.Tensor | None = None,
-):
-    """F.linear(states, weight, bias), by the column-sum op where it applies; `weight_copy`, the weight in
-    autocast's dtype, is what the product reads there instead of a cast of `weight`."""
+def _linear(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bias_by_kernel: bool = True):
     bias_by_kernel = bias_by_kernel or (NARROW_BIAS_SUMS_TOGETHER and torch.compiler.is_compiling())
     bias_by_kernel = bias_by_kernel and BIAS_GRADIENT_KERNEL and bias is not None
     in_fp32 = WEIGHT_GRADIENT_IN_FP32 and _low_precision_autocast(states)
-    function = None
-    if bias_by_kernel or in_fp32 or weight_copy is not None:
-        function = _linear_function(states, weight if bias is None else bias)
+    function = _linear_function(states, weight if bias is None else bias) if bias_by_kernel or in_fp32 else None
     if function is None:
         return F.linear(states, weight, bias)
-    return function(states, weight, bias, bias_by_kernel, in_fp32, weight_copy)
+    return function(states, weight, bias, bias_by_kernel, in_fp32)
 
 
 def linear(
@@ -256,8 +187,7 @@ def linear(
     (another layer runs whole)."""
     if not _plain(layer):
         return layer(states)
-    bias = None if leave_bias_out else layer.bias
-    return _linear(states, layer.weight, bias, bias_by_kernel, _weight_copy([layer], states))
+    return _linear(states, layer.weight, None if leave_bias_out else layer.bias, bias_by_kernel)
 
 
 def branch_bias(layer: nn.Module) -> torch.Tensor | None:
@@ -279,7 +209,7 @@ def _concatenated_product(hidden_states: torch.Tensor, layers) -> torch.Tensor:
     """Plain Linear layers of one input as one product of their concatenated weights, outputs side by side."""
     weight = torch.cat([layer.weight for layer in layers])
     bias = torch.cat([layer.bias for layer in layers])
-    return _linear(hidden_states, weight, bias, weight_copy=_weight_copy(layers, hidden_states))
+    return _linear(hidden_states, weight, bias)
 
 
 def project(hidden_states: torch.Tensor, layers, place=None) -> list[torch.Tensor]:
@@ -349,14 +279,4 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = [
-    "KnowGPTDropout",
-    "attach_weight_copies",
-    "branch_bias",
-    "causal_lm_loss",
-    "detach_weight_copies",
-    "linear",
-    "mlp",
-    "project",
-    "residual_layer_norm",
-]
+__all__ = ["KnowGPTDropout", "branch_bias", "causal_lm_loss", "linear", "mlp", "project", "residual_layer_norm"]

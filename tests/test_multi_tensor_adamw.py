@@ -68,16 +68,13 @@ def torch_step(parameters, optimizer, step, max_norm, scale, missing=None):
 class KernelSteps:
     """MultiTensorAdamW over a copy of the parameters, as the graphed step drives it."""
 
-    def __init__(self, max_norm, seed=0, copies_of=(), copy_dtype=torch.bfloat16):
-        """`copies_of`: the numbers of the parameters the update also writes into a `copy_dtype` copy."""
+    def __init__(self, max_norm, seed=0):
         self.parameters = make_parameters(seed)
         self.optimizer = make_optimizer(self.parameters, capturable_rate=True)
         self.learning_rate = self.optimizer.param_groups[0]["lr"]
         self.step_counter = torch.zeros((), dtype=torch.long, device=DEVICE)
         rates = torch.tensor(LEARNING_RATES, device=DEVICE)
-        self.copies = {index: self.parameters[index].detach().to(copy_dtype) for index in copies_of}
-        pairs = [(self.parameters[index], copy) for index, copy in self.copies.items()]
-        self.update = MultiTensorAdamW(self.optimizer, self.parameters, max_norm, rates, self.learning_rate, pairs)
+        self.update = MultiTensorAdamW(self.optimizer, self.parameters, max_norm, rates, self.learning_rate)
 
     def step(self, step, scale, missing=None):
         set_gradients(self.parameters, step, scale, missing)
@@ -306,71 +303,3 @@ def test_gradients_concatenated_first_update_alike(monkeypatch):
     for step in range(3):
         step_both_ways(parameters, optimizer, kernel, step, max_norm=1.0, scale=1.0)
         assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)
-
-
-@needs_kernel
-@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_the_update_writes_each_weight_copy_as_the_parameter_rounded_and_steps_as_without(copy_dtype):
-    """Weight copies (`layers_knowgpt.attach_weight_copies`): after every step each copy holds its parameter rounded
-    to the copy's dtype, as a cast gives it, block boundaries included; the parameters without one, the parameters
-    and the optimizer's state are those of the update without copies. Triton's interpreter rounds fp32 to bf16
-    toward zero, where the GPU rounds to nearest as torch's cast does: there a bf16 copy may lie one unit in the
-    last place off."""
-    copies_of = (0, 3)  # (257, 32) crosses the update's blocks; (2500,) ends within one
-    plain, with_copies = (
-        KernelSteps(max_norm=1.0),
-        KernelSteps(max_norm=1.0, copies_of=copies_of, copy_dtype=copy_dtype),
-    )
-    untouched = {index: copy.clone() for index, copy in with_copies.copies.items()}
-    for step in range(3):
-        plain.step(step, scale=1.0)
-        with_copies.step(step, scale=1.0)
-        for index, copy in with_copies.copies.items():
-            assert copy.dtype == copy_dtype
-            cast = with_copies.parameters[index].detach().to(copy_dtype)
-            if DEVICE == "cpu" and copy_dtype == torch.bfloat16:
-                torch.testing.assert_close(copy, cast, rtol=2**-7, atol=0)
-                assert (copy.float().abs() <= with_copies.parameters[index].detach().abs()).all()  # toward zero
-            else:
-                torch.testing.assert_close(copy, cast, rtol=0, atol=0)
-            assert not torch.equal(copy, untouched[index])  # written at this step
-            untouched[index] = copy.clone()
-        for got, want in zip(with_copies.parameters, plain.parameters):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-@needs_kernel
-def test_refreshed_weight_copies_follow_parameters_changed_outside_the_update():
-    kernel = KernelSteps(max_norm=1.0, copies_of=(0,))
-    kernel.step(0, scale=1.0)
-    with torch.no_grad():
-        kernel.parameters[0].mul_(2.0)  # as a restored snapshot changes them
-    kernel.update.refresh_weight_copies()  # torch's cast: rounded to nearest on any device
-    torch.testing.assert_close(kernel.copies[0], kernel.parameters[0].detach().to(torch.bfloat16), rtol=0, atol=0)
-
-
-@needs_kernel
-def test_weight_copies_that_cannot_be_written_are_refused():
-    parameters = make_parameters()
-    optimizer = make_optimizer(parameters, capturable_rate=True)
-    rates, rate = torch.tensor(LEARNING_RATES, device=DEVICE), optimizer.param_groups[0]["lr"]
-    with pytest.raises(ValueError, match="16-bit"):
-        MultiTensorAdamW(optimizer, parameters, 1.0, rates, rate, [(parameters[0], parameters[0].detach().clone())])
-    wrong_shape = [(parameters[0], torch.zeros(32, 257, dtype=torch.bfloat16, device=DEVICE).t())]
-    update = MultiTensorAdamW(optimizer, parameters, 1.0, rates, rate, wrong_shape)
-    set_gradients(parameters, 0, 1.0)
-    with pytest.raises(ValueError, match="weight copy of shape"):
-        update.step(torch.zeros((), dtype=torch.long, device=DEVICE))
-
-
-@needs_kernel
-def test_the_copy_of_a_parameter_left_out_stays_equal_to_it():
-    """A parameter without a gradient at the first step is never updated (as torch's AdamW leaves it), nor is its
-    copy written: the two stay equal."""
-    kernel = KernelSteps(max_norm=1.0, copies_of=(0, 1))
-    before = {index: kernel.parameters[index].detach().clone() for index in (0, 1)}
-    for step in range(2):
-        kernel.step(step, scale=1.0, missing=1)
-    assert torch.equal(kernel.parameters[1].detach(), before[1])
-    assert torch.equal(kernel.copies[1], before[1].to(torch.bfloat16))
-    assert not torch.equal(kernel.copies[0], before[0].to(torch.bfloat16))  # the other copy was written

@@ -5,8 +5,8 @@ shared memory, and whether its products run on wgmma and its loads are staged as
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
 output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
-kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor update's AdamW kernel
-without weight copies and writing bf16 ones (`layers_knowgpt.WEIGHT_COPIES_BY_UPDATE`). A table is printed last.
+kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor
+update's AdamW kernel. A table is printed last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
 
@@ -128,18 +128,15 @@ def dropout_mask_builds(arch):
 
 
 def update_builds(arch):
-    """(name, compiled) of the multi-tensor update's AdamW kernel as `MultiTensorAdamW.step` launches it, without
-    weight copies and writing bf16 ones."""
+    """(name, compiled) of the multi-tensor update's AdamW kernel as `MultiTensorAdamW.step` launches it."""
     pointers = {
         "GRADIENT_ADDRESSES": "*i64", "EXP_AVG": "*fp32", "EXP_AVG_SQ": "*fp32", "ADDRESSES": "*i64",
         "BLOCK_TENSOR": "*i32", "BLOCK_START": "*i32", "OFFSETS": "*i64", "NUMELS": "*i32", "WEIGHT_DECAYS": "*fp32",
-        "SCALARS": "*fp32", "COPY_ADDRESSES": "*i64", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
+        "SCALARS": "*fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32",
     }  # fmt: skip
-    for copies in (False, True):
-        constants = {"COPIES": copies, "COPY_BF16": True, "BLOCK": multi_tensor_adamw.UPDATE_BLOCK}
-        addresses = [name for name, kind in pointers.items() if kind.startswith("*")]
-        compiled = build(multi_tensor_adamw._update, constants, pointers, addresses, 4, 3, arch)
-        yield f"AdamW update{', writing bf16 weight copies' if copies else ''}", compiled
+    constants = {"BLOCK": multi_tensor_adamw.UPDATE_BLOCK}
+    addresses = [name for name, kind in pointers.items() if kind.startswith("*")]
+    yield "AdamW update", build(multi_tensor_adamw._update, constants, pointers, addresses, 4, 3, arch)
 
 
 def main():

@@ -83,9 +83,7 @@ other way), that with the tokens in two parts (`weight-gradients-together-splits
 without the bias gradients, left to `column_sums`'s kernels (`weight-gradients-together-without-sums`,
 `grouped_products.COLUMN_SUMS_TOGETHER`), that with the narrow layers' bias gradients taken into the launch too
 (`narrow-bias-sums-together`, `layers_knowgpt.NARROW_BIAS_SUMS_TOGETHER`, as it is now; `narrow-bias-sums-apart` the
-other way); bf16 copies of the linear layers' weights written by the multi-tensor update and read by the products,
-instead of autocast casting the fp32 weights in every forward pass (`weight-copies-by-update`,
-`layers_knowgpt.WEIGHT_COPIES_BY_UPDATE`); the attention kernel handed the queries, keys and values as one stacked
+other way); the attention kernel handed the queries, keys and values as one stacked
 tensor, their gradients written as one instead of concatenated after (`stacked-attention-inputs`,
 `attention_knowgpt.STACKED_ATTENTION_INPUTS`, as it is now; `three-attention-inputs` the other way); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
@@ -171,7 +169,6 @@ VARIANTS = {
     "weight-gradients-by-autograd": {"layers_knowgpt": {"WEIGHT_GRADIENT_IN_FP32": False}},
     "narrow-bias-sums-together": {"layers_knowgpt": {"NARROW_BIAS_SUMS_TOGETHER": True}},
     "narrow-bias-sums-apart": {"layers_knowgpt": {"NARROW_BIAS_SUMS_TOGETHER": False}},
-    "weight-copies-by-update": {"layers_knowgpt": {"WEIGHT_COPIES_BY_UPDATE": True}},
     "dropout-mask-kernel": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": True}},
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
     "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},

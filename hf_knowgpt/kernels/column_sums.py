@@ -100,15 +100,13 @@ class _LinearWithFp32ParameterGradients(torch.autograd.Function):
     """F.linear(states, weight, bias) computed in `dtype`, its bias gradient summed in fp32 (by `column_sums`
     where `bias_by_kernel`, else by torch), its weight gradient a product written in fp32 where
     `weight_gradient_in_fp32` and `_fp32_weight_gradient` allow; the other gradients are autograd's for the
-    same products. `weight_copy`, where given, is the weight already in `dtype` (kept by the caller), read in place
-    of a cast of `weight`, which then only takes the gradient."""
+    same products."""
 
     @staticmethod
-    def forward(ctx, states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32, weight_copy):
+    def forward(ctx, states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32):
         ctx.dtypes = states.dtype, weight.dtype, bias.dtype if bias is not None else None
         ctx.bias_by_kernel = bias_by_kernel
-        low_states = states.to(dtype)
-        low_weight = weight.to(dtype) if weight_copy is None else weight_copy
+        low_states, low_weight = states.to(dtype), weight.to(dtype)
         ctx.fp32_weight_gradient = weight_gradient_in_fp32 and _fp32_weight_gradient(low_states, weight)
         ctx.save_for_backward(low_states, low_weight)
         return F.linear(low_states, low_weight, bias.to(dtype) if bias is not None else None)
@@ -128,7 +126,7 @@ class _LinearWithFp32ParameterGradients(torch.autograd.Function):
         if bias_dtype is not None:
             grad_bias = column_sums(grad_rows) if ctx.bias_by_kernel else grad_rows.sum(0, dtype=torch.float32)
             grad_bias = grad_bias.to(bias_dtype)
-        return grad_states, grad_weight, grad_bias, None, None, None, None
+        return grad_states, grad_weight, grad_bias, None, None, None
 
 
 def linear_with_summed_bias_gradient(
@@ -137,18 +135,16 @@ def linear_with_summed_bias_gradient(
     bias: torch.Tensor | None,
     bias_by_kernel: bool = True,
     weight_gradient_in_fp32: bool = False,
-    weight_copy: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(states, weight, bias) in the dtype autocast gives it (the products autograd would run under the
     same autocast), its bias gradient summed over the rows in fp32 (by `column_sums` where `bias_by_kernel`,
     else by torch), where autograd's sum is in the products' dtype. With `weight_gradient_in_fp32`, on CUDA, the
     weight gradient of bf16 or fp16 products is one product written in fp32, where autograd's is rounded to the
-    products' dtype and then cast to the weight's. `weight_copy`: the weight in the products' dtype, kept equal to
-    `weight` by the caller (`layers_knowgpt.attach_weight_copies`), read instead of casting `weight` again."""
+    products' dtype and then cast to the weight's."""
     device_type = states.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else states.dtype
     return _LinearWithFp32ParameterGradients.apply(
-        states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32, weight_copy
+        states, weight, bias, dtype, bias_by_kernel, weight_gradient_in_fp32
     )
 
 

@@ -28,10 +28,6 @@ The arithmetic is torch's AdamW (decoupled weight decay) after `clip_grad_norm_`
 `v ← β₂v + (1 − β₂)g²` and `g` the gradient times `min(1, max_norm / (‖g‖ + 10⁻⁶))`; only the order of the norm's
 sums and the rounding of the bias corrections differ (tests/test_multi_tensor_adamw.py compares both with
 torch's). It runs on a CUDA device, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
-
-Given `weight_copies` ((parameter, copy) pairs: `layers_knowgpt.attach_weight_copies`), `_update` also writes each
-such parameter, rounded to its copy's 16-bit dtype, into its copy (a table of the copies' addresses, 0 for a
-parameter without one), so that the next forward pass reads the copy instead of casting the weight again.
 """
 
 import itertools
@@ -97,10 +93,7 @@ class MultiTensorAdamW:
     buffers), so it saves and resumes as before. `max_norm` 0 or None clips nothing. Check
     `multi_tensor_adamw_applies` first."""
 
-    def __init__(
-        self, optimizer, parameters, max_norm, learning_rates: torch.Tensor, learning_rate: torch.Tensor,
-        weight_copies=(),
-    ):  # fmt: skip
+    def __init__(self, optimizer, parameters, max_norm, learning_rates: torch.Tensor, learning_rate: torch.Tensor):
         self.optimizer = optimizer
         self.parameters = list(parameters)
         self.max_norm = float(max_norm or 0.0)
@@ -111,10 +104,6 @@ class MultiTensorAdamW:
         self.captured_tables = []  # (table, addresses) of each captured step: kept, as its graph reads it
         self.unfilled_tables = []  # those of captures not yet ended
         self.spare_table = None  # the table the next capture takes, made outside any capture
-        self.weight_copies = {id(parameter): copy for parameter, copy in weight_copies}
-        self.copy_dtypes = {copy.dtype for copy in self.weight_copies.values()}
-        if not self.copy_dtypes <= {torch.bfloat16, torch.float16} or len(self.copy_dtypes) > 1:
-            raise ValueError(f"weight copies take one 16-bit float dtype, got {sorted(map(str, self.copy_dtypes))}")
 
     def _bind(self, updated):
         """Flat moments and step counts and the device tables, for the parameters `updated` (first step)."""
@@ -158,24 +147,7 @@ class MultiTensorAdamW:
         decays = [float(group_of[id(p)]["weight_decay"]) for p in updated]
         self.weight_decays = torch.tensor(decays, dtype=torch.float32, device=device)
         self.spare_table = torch.empty(len(updated), dtype=torch.int64, device=device)
-        # A parameter left out (no gradient at the first step) never changes: its copy stays equal to it.
-        copies = [self.weight_copies.get(id(p)) for p in updated]
-        for parameter, copy in zip(updated, copies):
-            if copy is not None and (copy.shape != parameter.shape or not copy.is_contiguous()):
-                raise ValueError(
-                    f"a weight copy of shape {tuple(copy.shape)} for a parameter of {tuple(parameter.shape)}"
-                )
-        self.copy_addresses = torch.tensor(
-            [0 if copy is None else copy.data_ptr() for copy in copies], dtype=torch.int64, device=device
-        )
         self.updated = updated
-
-    def refresh_weight_copies(self) -> None:
-        """Write the parameters into their copies: after they changed outside the update (a restored snapshot)."""
-        pairs = [(p, self.weight_copies[id(p)]) for p in self.parameters if id(p) in self.weight_copies]
-        if pairs:
-            with torch.no_grad():
-                torch._foreach_copy_([copy for _, copy in pairs], [parameter for parameter, _ in pairs])
 
     def _gradient_table(self, gradients) -> torch.Tensor:
         """A device table of the gradients' addresses, as the step's kernels will find it when they run."""
@@ -239,8 +211,7 @@ class MultiTensorAdamW:
         )  # fmt: skip
         _update[(blocks,)](
             table, self.exp_avg, self.exp_avg_sq, self.addresses, self.block_tensor, self.block_start, self.offsets,
-            self.numels, self.weight_decays, self.scalars, self.beta1, self.beta2, self.eps, self.copy_addresses,
-            COPIES=bool(self.weight_copies), COPY_BF16=torch.bfloat16 in self.copy_dtypes, BLOCK=UPDATE_BLOCK,
+            self.numels, self.weight_decays, self.scalars, self.beta1, self.beta2, self.eps, BLOCK=UPDATE_BLOCK,
         )  # fmt: skip
 
 
@@ -289,10 +260,9 @@ if triton is not None:
     @triton.jit
     def _update(
         GRADIENT_ADDRESSES, EXP_AVG, EXP_AVG_SQ, ADDRESSES, BLOCK_TENSOR, BLOCK_START, OFFSETS, NUMELS, WEIGHT_DECAYS,
-        SCALARS, beta1, beta2, eps, COPY_ADDRESSES, COPIES: tl.constexpr, COPY_BF16: tl.constexpr, BLOCK: tl.constexpr,
+        SCALARS, beta1, beta2, eps, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """AdamW on one block of one parameter, with its clipped gradient, and its moments from the flat buffers;
-        where COPIES and the parameter has a copy, the updated block rounded into it too."""
+        """AdamW on one block of one parameter, with its clipped gradient, and its moments from the flat buffers."""
         block = tl.program_id(0)
         tensor = tl.load(BLOCK_TENSOR + block)
         within = tl.load(BLOCK_START + block) + tl.arange(0, BLOCK)
@@ -317,15 +287,6 @@ if triton is not None:
         tl.store(parameter_pointer + within, parameter, mask=inside)
         tl.store(EXP_AVG + flat, exp_avg, mask=inside)
         tl.store(EXP_AVG_SQ + flat, exp_avg_sq, mask=inside)
-        if COPIES:
-            copy_address = tl.load(COPY_ADDRESSES + tensor)
-            if copy_address != 0:
-                if COPY_BF16:
-                    copy_pointer = copy_address.to(tl.pointer_type(tl.bfloat16))
-                else:
-                    copy_pointer = copy_address.to(tl.pointer_type(tl.float16))
-                rounded = parameter.to(copy_pointer.dtype.element_ty, fp_downcast_rounding="rtne")  # as a cast rounds
-                tl.store(copy_pointer + within, rounded, mask=inside)
 
 
 __all__ = ["MultiTensorAdamW", "multi_tensor_adamw_applies", "multi_tensor_adamw_pays"]

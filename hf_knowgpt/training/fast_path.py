@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_loaders.encoding import collate_handout_pairs
 
-from .. import layers_knowgpt
 from ..options import TRAINING_PATHS
 from .compile_cache import (
     PrecompiledFunction,
@@ -287,7 +286,7 @@ class GraphedStepper:
         self.learning_rate = self.optimizer.param_groups[0]["lr"]
         if not torch.is_tensor(self.learning_rate):
             raise ValueError("the graphed path needs an optimizer whose learning rate is a device tensor")
-        self.update = self._multi_tensor_update(args.grad_norm_clip, model)
+        self.update = self._multi_tensor_update(args.grad_norm_clip)
         # The package's file of what an earlier process compiled for this model and these step shapes.
         described = {k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"}  # any checkpoint
         self.artifacts = artifacts_file(
@@ -296,7 +295,7 @@ class GraphedStepper:
             packed=self.packed, seq_len=self.seq_len, rows=self.rows,
             bucket=self.bucket, world=self.world, autocast=str(self.autocast_dtype), inductor=options,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-            update=("multi-tensor" + ("+copies" if self.update.weight_copies else "")) if self.update else "torch",
+            update="multi-tensor" if self.update else "torch",
         )  # fmt: skip
         if compile_model == "auto":  # compile where an earlier run saved what it compiled (several processes: always)
             compile_model = self.world > 1 or self.artifacts.is_file()
@@ -338,9 +337,8 @@ class GraphedStepper:
             self._compile(options)
             self.load_seconds = time.perf_counter() - started
 
-    def _multi_tensor_update(self, max_norm, model):
-        """The update in three launches (`MULTI_TENSOR_UPDATE`), where it applies, writing bf16 copies of the
-        linear layers' weights where `layers_knowgpt.WEIGHT_COPIES_BY_UPDATE` says so; None where it does not."""
+    def _multi_tensor_update(self, max_norm):
+        """The update in three launches (`MULTI_TENSOR_UPDATE`), where it applies; None where it does not."""
         if not self.MULTI_TENSOR_UPDATE or self.world > 1 or self.device.type != "cuda":
             return None
         from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies, multi_tensor_adamw_pays
@@ -351,11 +349,7 @@ class GraphedStepper:
             and multi_tensor_adamw_pays(sum(self.parameter_sizes), multiprocessors)
         ):
             return None
-        copies = layers_knowgpt.WEIGHT_COPIES_BY_UPDATE and self.autocast_dtype == torch.bfloat16
-        copies = layers_knowgpt.attach_weight_copies(model, torch.bfloat16) if copies else ()
-        return MultiTensorAdamW(
-            self.optimizer, self.parameters, max_norm, self.learning_rates, self.learning_rate, copies
-        )
+        return MultiTensorAdamW(self.optimizer, self.parameters, max_norm, self.learning_rates, self.learning_rate)
 
     @classmethod
     def inductor_options(cls, tune_kernels: bool = False) -> dict:
@@ -511,8 +505,6 @@ class GraphedStepper:
                         value.copy_(saved) if saved is not None else value.zero_()
             self.step_counter.copy_(step_counter)
             self.loss_sum.copy_(loss_sum)
-        if self.update is not None:
-            self.update.refresh_weight_copies()
 
     def capture(self, first_step: int, capacity=None) -> bool:
         """Capture the graph of `capacity` tokens (None: dense) before step `first_step`; True where that step

@@ -31,7 +31,6 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
 
-from ..layers_knowgpt import detach_weight_copies
 from ..utils.checkpoints import (
     ACCELERATE_STATE,
     CHECKPOINT_PREFIX,
@@ -513,7 +512,6 @@ class KnowGPTTrainer:
         seconds = time.perf_counter() - started
         unwrapped.config._attn_implementation = attn_implementation
         unwrapped.transformer.fused_layers = False
-        detach_weight_copies(unwrapped)  # the stepper's update wrote them; nothing does now
         unwrapped.transformer.attention_by_length = False
         if args.report_to:  # not end_training(): it also ends the process group, which a next stage needs
             for tracker in accelerator.trackers:
