@@ -49,8 +49,13 @@ def launch_options(block_size=None, num_warps=None, **constants):
     kernel module's other constants given (`UNIFORMS_PER_DRAW=1`, `BACKWARD_NUM_STAGES=2`, ...), for the
     duration."""
     if block_size is not None:
-        warps = num_warps or fused_attention.NUM_WARPS[block_size]
-        constants |= {"BLOCK_SIZE": block_size, "NUM_WARPS": {**fused_attention.NUM_WARPS, block_size: warps}}
+        forward = num_warps or fused_attention.launch_warps(False, block_size)
+        backward = num_warps or fused_attention.launch_warps(True, block_size)
+        constants |= {
+            "BLOCK_SIZE": block_size,
+            "NUM_WARPS": {**fused_attention.NUM_WARPS, block_size: forward},
+            "BACKWARD_NUM_WARPS": {**fused_attention.BACKWARD_NUM_WARPS, block_size: backward},
+        }
     original = {name: getattr(fused_attention, name) for name in constants}
     for name, value in constants.items():
         setattr(fused_attention, name, value)
@@ -241,13 +246,14 @@ def main():
             {"PRECOMPUTED_CORRECTION": False},
         ),
     }
-    # Launch settings of each kernel alone (the other at the library's): blocks of 16 positions, 2 warps.
+    # Launch settings of each kernel alone (the other at the library's): blocks of 16 positions, the forward kernel
+    # on 1 warp, the backward on 2.
     launches = {
         "forward 2 stages": {"NUM_STAGES": 2},
         "forward 1 stage": {"NUM_STAGES": 1},
         "forward 4 stages": {"NUM_STAGES": 4},
-        "forward 1 warp": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}},
-        "forward 4 warps": {"NUM_WARPS": {16: 4}, "BACKWARD_NUM_WARPS": {16: 2}},
+        "forward 2 warps": {"NUM_WARPS": {16: 2}},
+        "forward 4 warps": {"NUM_WARPS": {16: 4}},
         "backward 1 warp": {"BACKWARD_NUM_WARPS": {16: 1}},
         "backward 4 warps": {"BACKWARD_NUM_WARPS": {16: 4}},
         "backward 1 stage": {"BACKWARD_NUM_STAGES": 1},

@@ -80,7 +80,8 @@ def attention_builds(arch):
     for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
         constants = {name: value for name, value in {**settings, **strides_of_one}.items() if name in kernel.arg_names}
         multiples = [name for name in kernel.arg_names if name in pointers or name.startswith("s")]
-        compiled = build(kernel, constants, pointers, multiples, 2, 3, arch)
+        warps = fused_attention.launch_warps(kernel is fused_attention._backward_kernel, settings["BLOCK"])
+        compiled = build(kernel, constants, pointers, multiples, warps, 3, arch)
         yield f"attention {kernel.fn.__name__.strip('_')}", compiled
 
 

@@ -20,8 +20,8 @@ Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 par
 (`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
 (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
-`fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp instead of two
-(`attention-forward-1-warp`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
+`fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp (`attention-forward-1-warp`,
+as it is now) or two (`attention-forward-2-warps`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps
 before every graph's capture, not only the first's, each restored afterwards (`warmup3-every-graph`,
 `GraphedStepper.LATER_WARMUP_STEPS`); a later graph captured as the first one is, after a warm-up step whose
@@ -136,6 +136,7 @@ VARIANTS = {
     # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups
     # launch` timed them ("forward 1 warp").
     "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
+    "attention-forward-2-warps": {"fused_attention": {"NUM_WARPS": {16: 2}, "BACKWARD_NUM_WARPS": {16: 2}}},
     "bucket512": {"bucket": 512},
     "warmup3-every-graph": {"later_warmup_steps": 3, "later_graphs_after_their_step": False},
     # a later graph captured as the first one is (torch.cuda.graph: the device synchronized, the caches emptied),

@@ -54,15 +54,18 @@ MAX_SEQ_LEN = 256
 # training questions) and take 0.3 s off the handout recipe's steps; one part trains the knowledge recipe 5%
 # faster but answered 0.5 points less over ten runs (benchmarks/RESULTS.md).
 DEFAULT_SPLITS = 2
-# Positions per block of queries or keys, and warps per program for each block size (tuned with
-# benchmarks/bench_attention.py; see benchmarks/RESULTS.md).
+# Positions per block of queries or keys, and warps per program of the forward and correction kernels for each
+# block size (tuned with benchmarks/bench_attention.py; see benchmarks/RESULTS.md). Blocks of 16 on one warp
+# instead of two: 4–6% less of the kernels' time on an H100 and an H200, and 0.2 s less of the handout's steps in
+# each of three pairs of whole runs on an H100 (five of six pairs with those on an H200).
 BLOCK_SIZE = 16
-NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 8}
+NUM_WARPS = {16: 1, 32: 2, 64: 4, 128: 8}
 # Triton's software-pipelining stages of the forward kernel (None: Triton's default), and the backward
-# kernel's own settings (None: the forward's block size, warps and stages).
+# kernel's own settings (None: the forward's block size and stages). Its blocks of 16 keep two warps: one was no
+# faster.
 NUM_STAGES = None
 BACKWARD_BLOCK_SIZE = None
-BACKWARD_NUM_WARPS = None
+BACKWARD_NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 8}
 BACKWARD_NUM_STAGES = None
 # The backward pass's softmax correction dOᵢ·Oᵢ computed once per query by a kernel of its own (True), or
 # by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
@@ -120,6 +123,12 @@ def draw_seed(device) -> torch.Tensor:
 
 def _capturing(tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def launch_warps(backward: bool, block: int) -> int:
+    """Warps per program of the backward kernel (`backward`) or the forward and correction kernels, for blocks of
+    `block` positions."""
+    return ((BACKWARD_NUM_WARPS if backward else None) or NUM_WARPS).get(block, 4)
 
 
 def _block(length: int) -> int:
@@ -466,7 +475,7 @@ if triton is not None:
         )  # fmt: skip
         options = {name: value for name, value in options.items() if name in kernel.arg_names}
         backward = kernel is _backward_kernel
-        options["num_warps"] = ((BACKWARD_NUM_WARPS if backward else None) or NUM_WARPS).get(block, 4)
+        options["num_warps"] = launch_warps(backward, block)
         stages = (BACKWARD_NUM_STAGES if backward else None) or NUM_STAGES
         if stages is not None:
             options["num_stages"] = stages
