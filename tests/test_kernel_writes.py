@@ -179,3 +179,17 @@ def test_fused_layer_kernels_write_only_their_outputs(launches, mask_stored, mon
             "_bias_gelu_backward": ["GRAD_X", "GRAD_BIAS_PARTS"],
         },
     )
+
+
+def test_attention_launches_take_their_warps_from_the_module_tables(monkeypatch):
+    """The forward and correction kernels run on `NUM_WARPS`' warps for their block size, the backward kernel on
+    `BACKWARD_NUM_WARPS`' (`fused_attention.launch_warps`): what `step_variants.py` and `bench_attention.py` set to
+    time other launches."""
+    launches, _ = attention_launches("packed")
+    warps = {kernel.fn.__name__: arguments["num_warps"] for kernel, arguments in launches}
+    assert warps == {"_forward_kernel": 1, "_correction_kernel": 1, "_backward_kernel": 2}  # blocks of 16
+    monkeypatch.setattr(fused_attention, "NUM_WARPS", {16: 4})
+    monkeypatch.setattr(fused_attention, "BACKWARD_NUM_WARPS", {16: 8})
+    launches, _ = attention_launches("packed")
+    warps = {kernel.fn.__name__: arguments["num_warps"] for kernel, arguments in launches}
+    assert warps == {"_forward_kernel": 4, "_correction_kernel": 4, "_backward_kernel": 8}
