@@ -227,6 +227,11 @@ def main():
             inputs,
             {"UNIFORMS_PER_DRAW": 4},
         ),
+        "dropout: triton, 8 uniforms per Philox draw, lengths": (
+            triton_kernel(None, lengths),
+            inputs,
+            {"UNIFORMS_PER_DRAW": 8},
+        ),
         "dropout: triton, 1 uniform per Philox draw, lengths": (
             triton_kernel(None, lengths),
             inputs,

@@ -57,14 +57,16 @@ def block_size(request, monkeypatch):
 KERNEL_VARIANTS = {
     "as-is": {},
     "one-uniform-per-draw": {"UNIFORMS_PER_DRAW": 1},
+    "eight-uniforms-per-draw": {"UNIFORMS_PER_DRAW": 8},
     "correction-in-backward": {"PRECOMPUTED_CORRECTION": False},
 }
 
 
 @pytest.fixture(params=list(KERNEL_VARIANTS))
 def kernel_variant(request, monkeypatch):
-    """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation instead
-    of four, or the backward pass's softmax correction recomputed by every backward program."""
+    """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation or eight
+    16-bit ones instead of four, or the backward pass's softmax correction recomputed by every backward
+    program."""
     for name, value in KERNEL_VARIANTS[request.param].items():
         monkeypatch.setattr(fused_attention, name, value)
     return request.param
@@ -333,14 +335,14 @@ def test_gradients_repeat_bit_for_bit(block_size, call, monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("uniforms_per_draw", [4, 1])
+@pytest.mark.parametrize("uniforms_per_draw", [4, 8, 1])
 def test_dropout_mask_rate_and_freshness(uniforms_per_draw, monkeypatch):
     monkeypatch.setattr(fused_attention, "UNIFORMS_PER_DRAW", uniforms_per_draw)
     batch, heads, length = 4, 2, 64
     seed = torch.tensor([7], dtype=torch.int64, device=DEVICE)
     keep = dropout_keep_mask(seed, batch, heads, length, 0.1)
     assert abs(keep.float().mean().item() - 0.9) < 0.01  # 32,768 draws: σ ≈ 0.0017
-    # Adjacent keys (with 4 uniforms per draw, outputs of one Philox evaluation) are dropped independently:
+    # Adjacent keys (with 4 or 8 uniforms per draw, outputs of one Philox evaluation) are dropped independently:
     # both of a pair in p² = 1% of pairs (16,384 pairs: σ ≈ 0.0008).
     dropped = ~keep.view(-1, 2)
     assert abs(dropped.all(-1).float().mean().item() - 0.01) < 0.004
@@ -357,6 +359,32 @@ def test_dropout_mask_rate_and_freshness(uniforms_per_draw, monkeypatch):
     again = fused_causal_attention(query, key, value, 0.25, 0.5)
     assert not torch.equal(first, second)
     assert torch.equal(first, again)
+
+
+@needs_kernel
+def test_eight_uniforms_per_draw_are_the_16_bit_halves_of_philox_outputs(monkeypatch):
+    """With UNIFORMS_PER_DRAW 8, key k of query r of (batch·head) program n takes half h (0: the low 16 bits) of
+    output 2j + i of Philox4x32-10 at counter (n·S + r)·S/8 + k // 8 under the call's seed, where k mod 8 = 4i +
+    2j + h and S is the padded length, and is kept where that uniform is at least p·2¹⁶: computed here in Python
+    (`dropout_masks._philox_4x32_10`)."""
+    from hf_knowgpt.kernels.dropout_masks import _philox_4x32_10
+
+    monkeypatch.setattr(fused_attention, "UNIFORMS_PER_DRAW", 8)
+    batch, heads, length, dropout_p, seed = 1, 2, 20, 0.3, 12345
+    stride = 32  # the padded length of 20 positions
+    keep = dropout_keep_mask(torch.tensor([seed], device=DEVICE), batch, heads, length, dropout_p).cpu()
+    expected = torch.empty(batch * heads, length, length, dtype=torch.bool)
+    for program in range(batch * heads):
+        for row in range(length):
+            for octet in range(length // 8 + 1):
+                words = _philox_4x32_10((program * stride + row) * (stride // 8) + octet, seed)
+                for within in range(8):
+                    key = 8 * octet + within
+                    if key < length:
+                        i, j, half = within // 4, within // 2 % 2, within % 2
+                        uniform = words[2 * j + i] >> (16 * half) & 0xFFFF
+                        expected[program, row, key] = uniform >= dropout_p * 65536
+    assert torch.equal(keep.view(-1, length, length), expected)
 
 
 @needs_kernel

@@ -2,7 +2,8 @@
 """The package's Triton kernels built for a GPU architecture without a GPU (`triton.compile` for a target, as a
 CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), its
 shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
-kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1); for the residual + dropout
+kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), their dropout taking four
+uniforms from each Philox evaluation and eight; for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
 output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
 kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor
@@ -67,7 +68,8 @@ def sass_instructions(compiled) -> int:
 
 
 def attention_builds(arch):
-    """(name, compiled) of the attention's forward and backward kernels."""
+    """(name, compiled) of the attention's forward and backward kernels, their dropout taking the module's uniforms
+    per Philox evaluation (`UNIFORMS_PER_DRAW`) and eight."""
     pointers = [name for name in fused_attention._backward_kernel.arg_names if name.isupper() and len(name) > 1]
     pointers += ["Q", "K", "V", "QR", "KR", "OUT"]
     strides_of_one = {"sq_d": 1, "sk_d": 1, "sv_d": 1, "so_d": 1, "sg_d": 1, "sgq_d": 1, "sgk_d": 1, "sgv_d": 1}
@@ -77,12 +79,14 @@ def attention_builds(arch):
         UNIFORMS=fused_attention.UNIFORMS_PER_DRAW, PRECOMPUTED=True, INTERPRETED=False,
         PART_STRIDE=8 * 128 * 32,  # the stacked gradient's parts apart: heads × positions × head size
     )  # fmt: skip
-    for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
-        constants = {name: value for name, value in {**settings, **strides_of_one}.items() if name in kernel.arg_names}
-        multiples = [name for name in kernel.arg_names if name in pointers or name.startswith("s")]
-        warps = fused_attention.launch_warps(kernel is fused_attention._backward_kernel, settings["BLOCK"])
-        compiled = build(kernel, constants, pointers, multiples, warps, 3, arch)
-        yield f"attention {kernel.fn.__name__.strip('_')}", compiled
+    for uniforms in (settings["UNIFORMS"], 8):
+        for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
+            given = {**settings, **strides_of_one, "UNIFORMS": uniforms}
+            constants = {name: value for name, value in given.items() if name in kernel.arg_names}
+            multiples = [name for name in kernel.arg_names if name in pointers or name.startswith("s")]
+            warps = fused_attention.launch_warps(kernel is fused_attention._backward_kernel, settings["BLOCK"])
+            compiled = build(kernel, constants, pointers, multiples, warps, 3, arch)
+            yield f"attention {kernel.fn.__name__.strip('_')}, {uniforms} uniforms per Philox", compiled
 
 
 def residual_layer_norm_builds(arch):

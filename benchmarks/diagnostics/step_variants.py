@@ -16,9 +16,9 @@ files of several such runs and compares the accuracy of groups of them. `--outpu
 run, and `--start_by SECONDS` starts no run more than SECONDS after the script began, for a machine lent for a
 fixed time.
 
-Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand (as it is), 2 or 1
-(`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation or one
-(`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
+Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand, 2 (as it is) or 1
+(`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation (as it is), eight
+16-bit ones (`uniforms8`) or one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
 recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp (`attention-forward-1-warp`,
 as it is now) or two (`attention-forward-2-warps`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
@@ -131,6 +131,7 @@ VARIANTS = {
     "splits2": {"fused_attention": {"DEFAULT_SPLITS": 2}},
     "uniforms4": {"fused_attention": {"UNIFORMS_PER_DRAW": 4}},
     "uniforms1": {"fused_attention": {"UNIFORMS_PER_DRAW": 1}},
+    "uniforms8": {"fused_attention": {"UNIFORMS_PER_DRAW": 8}},
     "correction-kernel": {"fused_attention": {"PRECOMPUTED_CORRECTION": True}},
     "correction-inline": {"fused_attention": {"PRECOMPUTED_CORRECTION": False}},
     # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups

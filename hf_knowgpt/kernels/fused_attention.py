@@ -71,8 +71,9 @@ BACKWARD_NUM_STAGES = None
 # by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
 # --groups correction, H100).
 PRECOMPUTED_CORRECTION = True
-# Dropout uniforms taken from each Philox evaluation: 4, all it gives, or 1. Four made the kernel 7% faster
-# (0.117 against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100).
+# Dropout uniforms taken from each Philox evaluation: 4 (its four 32-bit outputs), 8 (their 16-bit halves, as
+# `dropout_masks` draws the residual stream's masks) or 1. Four made the kernel 7% faster than one (0.117 against
+# 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100); eight: built, off until timed.
 UNIFORMS_PER_DRAW = 4
 
 
@@ -190,6 +191,16 @@ if triton is not None:
         return tl.reshape(quads, (counters.shape[0], 4 * counters.shape[1]))
 
     @triton.jit
+    def _eight_uniforms(seed, counters):
+        """16-bit uniforms, integers in [0, 2¹⁶), for eight adjacent columns from each Philox evaluation: (R, C)
+        counters give (R, 8C). Column 8c + 4i + 2j + h takes half h (0: the low 16 bits) of counter c's output
+        number 2j + i (outputs numbered 0–3; tl.join's layout)."""
+        first, second, third, fourth = tl.randint4x(seed, counters)
+        words = tl.join(tl.join(first, second), tl.join(third, fourth)).to(tl.uint32, bitcast=True)
+        halves = tl.join(words & 0xFFFF, words >> 16)
+        return tl.reshape(halves, (counters.shape[0], 8 * counters.shape[1]))
+
+    @triton.jit
     def _dropout_keep(
         seed_pointer, program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr, dropout_p,
         UNIFORMS: tl.constexpr,
@@ -197,9 +208,15 @@ if triton is not None:
         """Which weights of keys first_col … first_col + COLS − 1 survive dropout: one uniform per
         (batch·head, query, key) from the call's seed, drawn identically by the forward and the backward
         kernel, whatever their block size. With UNIFORMS 4, each Philox evaluation's four outputs serve
-        four adjacent keys (a quarter of the generator's work); with 1, each key takes the first output of
-        its own evaluation."""
-        if UNIFORMS == 4:
+        four adjacent keys (a quarter of the generator's work); with 8, their 16-bit halves serve eight, each
+        kept where its uniform is at least p·2¹⁶ (a drop rate p to within 2⁻¹⁶); with 1, each key takes the first
+        output of its own evaluation."""
+        if UNIFORMS == 8:
+            octets = first_col // 8 + tl.arange(0, COLS // 8)
+            offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 8) + octets[None, :]
+            uniforms = _eight_uniforms(tl.load(seed_pointer), offsets)
+            keep = uniforms.to(tl.float32) >= dropout_p * 65536.0
+        elif UNIFORMS == 4:
             quads = first_col // 4 + tl.arange(0, COLS // 4)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 4) + quads[None, :]
             keep = _four_uniforms(tl.load(seed_pointer), offsets) >= dropout_p
