@@ -264,6 +264,8 @@ def main():
         "backward 1 stage": {"BACKWARD_NUM_STAGES": 1},
         "backward 2 stages": {"BACKWARD_NUM_STAGES": 2},
         "backward 4 stages": {"BACKWARD_NUM_STAGES": 4},
+        "forward blocks of 32, 1 warp": {"BLOCK_SIZE": 32, "BACKWARD_BLOCK_SIZE": 16, "NUM_WARPS": {32: 1}},
+        "forward blocks of 32, 2 warps": {"BLOCK_SIZE": 32, "BACKWARD_BLOCK_SIZE": 16, "NUM_WARPS": {32: 2}},
         "backward blocks of 32, 2 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 2}},
         "backward blocks of 32, 4 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 4}},
         "backward blocks of 32, 8 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 8}},
