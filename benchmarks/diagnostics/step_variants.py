@@ -134,8 +134,8 @@ VARIANTS = {
     "uniforms8": {"fused_attention": {"UNIFORMS_PER_DRAW": 8}},
     "correction-kernel": {"fused_attention": {"PRECOMPUTED_CORRECTION": True}},
     "correction-inline": {"fused_attention": {"PRECOMPUTED_CORRECTION": False}},
-    # The forward (and correction) programs on one warp, the backward's on two, as `bench_attention.py --groups
-    # launch` timed them ("forward 1 warp").
+    # The forward (and correction) programs on one warp (as it is now) or two, the backward's on two, as
+    # `bench_attention.py --groups launch` times them ("forward 2 warps" against the library's defaults).
     "attention-forward-1-warp": {"fused_attention": {"NUM_WARPS": {16: 1}, "BACKWARD_NUM_WARPS": {16: 2}}},
     "attention-forward-2-warps": {"fused_attention": {"NUM_WARPS": {16: 2}, "BACKWARD_NUM_WARPS": {16: 2}}},
     "bucket512": {"bucket": 512},
