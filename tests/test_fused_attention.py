@@ -362,29 +362,25 @@ def test_dropout_mask_rate_and_freshness(uniforms_per_draw, monkeypatch):
 
 
 @needs_kernel
-def test_eight_uniforms_per_draw_are_the_16_bit_halves_of_philox_outputs(monkeypatch):
-    """With UNIFORMS_PER_DRAW 8, key k of query r of (batch·head) program n takes half h (0: the low 16 bits) of
-    output 2j + i of Philox4x32-10 at counter (n·S + r)·S/8 + k // 8 under the call's seed, where k mod 8 = 4i +
-    2j + h and S is the padded length, and is kept where that uniform is at least p·2¹⁶: computed here in Python
-    (`dropout_masks._philox_4x32_10`)."""
-    from hf_knowgpt.kernels.dropout_masks import _philox_4x32_10
+def test_eight_uniforms_per_draw_are_the_dropout_mask_kernels_stream(monkeypatch):
+    """With UNIFORMS_PER_DRAW 8, key k of query r of (batch·head) program n takes uniform (n·S + r)·S + k of the
+    stream `dropout_masks` draws for the call's seed (S the padded length), and is kept where it is at least
+    round(p·2¹⁶): the mask that module's kernel draws for the (programs, S, S) grid, and Philox computed in
+    Python (`dropout_masks.philox_reference`)."""
+    from hf_knowgpt.kernels.dropout_masks import dropout_keep_mask as mask_kernel_draws
+    from hf_knowgpt.kernels.dropout_masks import philox_reference
 
     monkeypatch.setattr(fused_attention, "UNIFORMS_PER_DRAW", 8)
     batch, heads, length, dropout_p, seed = 1, 2, 20, 0.3, 12345
     stride = 32  # the padded length of 20 positions
-    keep = dropout_keep_mask(torch.tensor([seed], device=DEVICE), batch, heads, length, dropout_p).cpu()
-    expected = torch.empty(batch * heads, length, length, dtype=torch.bool)
-    for program in range(batch * heads):
-        for row in range(length):
-            for octet in range(length // 8 + 1):
-                words = _philox_4x32_10((program * stride + row) * (stride // 8) + octet, seed)
-                for within in range(8):
-                    key = 8 * octet + within
-                    if key < length:
-                        i, j, half = within // 4, within // 2 % 2, within % 2
-                        uniform = words[2 * j + i] >> (16 * half) & 0xFFFF
-                        expected[program, row, key] = uniform >= dropout_p * 65536
-    assert torch.equal(keep.view(-1, length, length), expected)
+    levels = round(dropout_p * 65536)
+    seed_tensor = torch.tensor([seed], device=DEVICE)
+    keep = dropout_keep_mask(seed_tensor, batch, heads, length, dropout_p).view(-1, length, length).cpu()
+    grid = (batch * heads, stride, stride)
+    uniforms = philox_reference(seed, batch * heads * stride * stride).view(grid)
+    assert torch.equal(keep, (uniforms >= levels)[:, :length, :length])
+    drawn = mask_kernel_draws(grid, levels, DEVICE, seed=seed_tensor).cpu()
+    assert torch.equal(keep, drawn[:, :length, :length])
 
 
 @needs_kernel

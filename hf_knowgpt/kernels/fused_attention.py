@@ -193,10 +193,11 @@ if triton is not None:
     @triton.jit
     def _eight_uniforms(seed, counters):
         """16-bit uniforms, integers in [0, 2¹⁶), for eight adjacent columns from each Philox evaluation: (R, C)
-        counters give (R, 8C). Column 8c + 4i + 2j + h takes half h (0: the low 16 bits) of counter c's output
-        number 2j + i (outputs numbered 0–3; tl.join's layout)."""
+        counters give (R, 8C), column 8c + 2k + h taking half h (0: the low 16 bits) of counter c's output k, as
+        `dropout_masks` lays out its elements. (tl.join adds its pair as the last dimension, so joining the
+        outputs 0 and 2, then 1 and 3, puts output k at 2·(k // 2) + k mod 2 = k.)"""
         first, second, third, fourth = tl.randint4x(seed, counters)
-        words = tl.join(tl.join(first, second), tl.join(third, fourth)).to(tl.uint32, bitcast=True)
+        words = tl.join(tl.join(first, third), tl.join(second, fourth)).to(tl.uint32, bitcast=True)
         halves = tl.join(words & 0xFFFF, words >> 16)
         return tl.reshape(halves, (counters.shape[0], 8 * counters.shape[1]))
 
@@ -209,13 +210,14 @@ if triton is not None:
         (batch·head, query, key) from the call's seed, drawn identically by the forward and the backward
         kernel, whatever their block size. With UNIFORMS 4, each Philox evaluation's four outputs serve
         four adjacent keys (a quarter of the generator's work); with 8, their 16-bit halves serve eight, each
-        kept where its uniform is at least p·2¹⁶ (a drop rate p to within 2⁻¹⁶); with 1, each key takes the first
-        output of its own evaluation."""
+        kept where its uniform is at least round(p·2¹⁶), `dropout_masks`' rule and layout: key k of query r of
+        program n takes uniform (n·ROW_STRIDE + r)·ROW_STRIDE + k of that module's stream for the seed; with 1, each
+        key takes the first output of its own evaluation."""
         if UNIFORMS == 8:
             octets = first_col // 8 + tl.arange(0, COLS // 8)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 8) + octets[None, :]
             uniforms = _eight_uniforms(tl.load(seed_pointer), offsets)
-            keep = uniforms.to(tl.float32) >= dropout_p * 65536.0
+            keep = uniforms.to(tl.float32) + 0.5 > dropout_p * 65536.0  # u ≥ round(p·2¹⁶) for an integer u
         elif UNIFORMS == 4:
             quads = first_col // 4 + tl.arange(0, COLS // 4)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 4) + quads[None, :]
