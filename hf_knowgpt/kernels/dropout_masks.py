@@ -20,6 +20,8 @@ from .fused_attention import _interpreted, draw_seed, triton
 if triton is not None:
     import triton.language as tl
 
+    from .fused_attention import _eight_uniforms
+
 # Philox counters per program; each gives 8 mask elements.
 COUNTERS_PER_PROGRAM = 256
 UNIFORMS_PER_EVALUATION = 8
@@ -36,15 +38,8 @@ if triton is not None:
     @triton.jit
     def _keep_mask_kernel(SEED, KEEP, numel, dropped_levels, COUNTERS: tl.constexpr):
         counters = tl.program_id(0).to(tl.int64) * COUNTERS + tl.arange(0, COUNTERS)
-        first, second, third, fourth = tl.randint4x(tl.load(SEED), counters)
-        lanes = tl.arange(0, 8)[None, :]
-        words = tl.where(
-            lanes < 2,
-            first[:, None],
-            tl.where(lanes < 4, second[:, None], tl.where(lanes < 6, third[:, None], fourth[:, None])),
-        ).to(tl.uint32, bitcast=True)
-        uniforms = (words >> ((lanes % 2) * 16).to(tl.uint32)) & 0xFFFF
-        elements = counters[:, None] * 8 + lanes
+        uniforms = _eight_uniforms(tl.load(SEED), counters[:, None])  # (COUNTERS, 8): element 8c + lane
+        elements = counters[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(KEEP + elements, (uniforms >= dropped_levels).to(tl.int8), mask=elements < numel)
 
     @torch.library.triton_op("knowgpt::dropout_keep_mask", mutates_args=())
