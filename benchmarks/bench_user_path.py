@@ -24,9 +24,9 @@ On a GPU, in one run:
 Run it with the python of `benchmarks/pip_environment.py` to time what `pip install -e .` installs and nothing
 more on a machine whose image has more (transformers imports scipy and torchvision when they are there); the
 JSON and the table name the python and which of those packages it could import.
-The table ends with where a run's seconds go: start-up, imports, data, loading what earlier runs compiled,
-compilation and capture, steps, saving, evaluation and exit, from the marks train.py writes into results.json
-(`timeline`) and each stage's `load_seconds` and `warmup_seconds`.
+The table ends with where a run's seconds go: start-up, imports, data, the training loop's set-up, loading what
+earlier runs compiled, compilation and capture, steps, saving, evaluation and exit, from the marks train.py writes
+into results.json (`timeline`) and each stage's `setup_seconds`, `load_seconds` and `warmup_seconds`.
 Always: `import hf_knowgpt`, `scripts/pretrain.py --help` and `scripts/train.py --help`, best of three.
 A table is printed last; --output writes JSON.
 """
@@ -172,16 +172,20 @@ def handout_loop(data: Path, attention_type: str, work: Path, epochs: tuple[int,
 
 def breakdown(started: float, ended: float, summary: dict) -> list[tuple[str, float]]:
     """Every second of a train.py process by phase (hf_knowgpt.utils.timeline), a stage's training split
-    into loading what earlier processes compiled, compilation and graph capture (its warm-up) and the steps
-    (with the loop's set-up: optimizer, accelerate's preparation)."""
+    into the loop's set-up (optimizer, accelerate's preparation, the stepper), loading what earlier processes
+    compiled, compilation and graph capture (its warm-up) and the steps. Results written before the set-up was
+    timed (no `setup_seconds`) count it with the steps."""
     rows = []
     for label, seconds in phase_seconds(started, summary["timeline"], ended):
         stage = label.split(":")[0]
         if label.endswith("(compilation and capture included)"):
-            warmup = summary["stages"][stage]["warmup_seconds"]
-            loading = summary["stages"][stage].get("load_seconds", 0.0)  # absent from older results
+            facts = summary["stages"][stage]
+            warmup, loading = facts["warmup_seconds"], facts.get("load_seconds", 0.0)
+            setup = facts.get("setup_seconds", loading)  # the loading happens inside the set-up
+            if "setup_seconds" in facts:
+                rows.append((f"{stage}: training loop set up (optimizer, accelerate, stepper)", setup - loading))
             rows += [(f"{stage}: compiled step loaded", loading), (f"{stage}: compilation and graph capture", warmup)]
-            rows.append((f"{stage}: steps", seconds - warmup - loading))
+            rows.append((f"{stage}: steps", seconds - setup - warmup))
         else:
             rows.append((label, seconds))
     return rows

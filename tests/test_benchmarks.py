@@ -70,9 +70,13 @@ def test_the_timeline_accounts_for_every_second_of_a_train_run(tmp_path):
     rows = bench_user_path.breakdown(started, ended, summary)
     labels = [label for label, _ in rows]
     for expected in ("libraries imported", "pretrain: steps", "pretrain: compilation and graph capture",
-                     "pretrain: compiled step loaded", "finetune: steps", "dev questions answered and written",
-                     "exit"):  # fmt: skip
+                     "pretrain: compiled step loaded", "pretrain: training loop set up (optimizer, accelerate, stepper)",
+                     "finetune: steps", "dev questions answered and written", "exit"):  # fmt: skip
         assert expected in labels
+    pretrain, phases = summary["stages"]["pretrain"], dict(rows)
+    assert pretrain["setup_seconds"] > 0 and pretrain["setup_seconds"] >= pretrain["load_seconds"]
+    # the steps are the loop's own time: train_seconds less the warm-up, give or take the marks' own instants
+    assert abs(phases["pretrain: steps"] - (pretrain["train_seconds"] - pretrain["warmup_seconds"])) < 0.05
     assert abs(sum(seconds for _, seconds in rows) - (ended - started)) < 1e-6
     assert all(seconds >= 0 for _, seconds in rows)
 

@@ -210,6 +210,9 @@ class TrainingResult:
     epoch_seconds: list = field(default_factory=list)  # seconds from the start (or resumption) to each epoch end
     warmup_seconds: float = 0.0  # graph capture and its warm-up steps, inside train_seconds
     load_seconds: float = 0.0  # loading what earlier processes compiled for the step, before train_seconds
+    # from train()'s call to its first step: the optimizer, accelerate's preparation, the stepper (its loading
+    # included), before train_seconds
+    setup_seconds: float = 0.0
     captures: list = field(default_factory=list)  # {"tokens", "seconds"} of each CUDA graph captured
     compiled: bool = False  # whether the step ran compiled (with compile="auto": whether it was saved before)
 
@@ -392,6 +395,7 @@ class KnowGPTTrainer:
         return optimizer
 
     def train(self) -> TrainingResult:
+        called = time.perf_counter()
         args, accelerator = self.args, self.accelerator
         # Each process its own dropout draws (seed + process index): with one seed, the processes' slices of a
         # batch would share their masks. One process: the seed itself.
@@ -529,6 +533,7 @@ class KnowGPTTrainer:
             epoch_seconds=[timeline.seconds(mark) for mark in epoch_marks],
             warmup_seconds=getattr(stepper, "capture_seconds", 0.0),
             load_seconds=getattr(stepper, "load_seconds", 0.0),
+            setup_seconds=started - called,
             captures=getattr(stepper, "captures", []),
             compiled=getattr(stepper, "compiled", False),
         )

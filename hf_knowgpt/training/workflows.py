@@ -133,6 +133,7 @@ def _train(model, tokenizer, data, args, accelerator, card: dict, config: RunCon
         "train_seconds": result.train_seconds,
         "warmup_seconds": result.warmup_seconds,
         "load_seconds": result.load_seconds,
+        "setup_seconds": result.setup_seconds,
         "captures": result.captures,
         "compiled": result.compiled,
         "examples_per_second": result.examples_per_second,
