@@ -271,23 +271,31 @@ def _graphed_bodies_in_one_of_two_processes(rank, directory, steps, gradient_red
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{directory / 'rendezvous'}", rank=rank, world_size=2
     )  # accelerate takes the initialized group as it is
-    tokenizer, data = _pretraining_data()
-    trainer = make_trainer(
-        directory / f"rank{rank}", data, fresh_model(len(tokenizer)), graphed=True,
-        gradient_reduce_dtype=gradient_reduce_dtype,
-    )  # fmt: skip
-    assert trainer.accelerator.num_processes == 2 and trainer.accelerator.process_index == rank
-    stepper = GraphedStepper(trainer, packed=True, bucket=64)
-    capacities, losses = [], []
-    for step in range(steps):
-        trainer.optimizer.zero_grad(set_to_none=True)
-        capacities.append(stepper._prepare_packed(step))
-        stepper._body(capacities[-1])
-        losses.append(trainer.accelerator.reduce(stepper.take_loss(), reduction="mean").item())
-    torch.save(
-        {"capacities": capacities, "losses": losses, "parameters": [p.detach() for p in trainer.model.parameters()]},
-        directory / f"rank{rank}.pt",
-    )
+    try:
+        tokenizer, data = _pretraining_data()
+        trainer = make_trainer(
+            directory / f"rank{rank}", data, fresh_model(len(tokenizer)), graphed=True,
+            gradient_reduce_dtype=gradient_reduce_dtype,
+        )  # fmt: skip
+        assert trainer.accelerator.num_processes == 2 and trainer.accelerator.process_index == rank
+        stepper = GraphedStepper(trainer, packed=True, bucket=64)
+        capacities, losses = [], []
+        for step in range(steps):
+            trainer.optimizer.zero_grad(set_to_none=True)
+            capacities.append(stepper._prepare_packed(step))
+            stepper._body(capacities[-1])
+            losses.append(trainer.accelerator.reduce(stepper.take_loss(), reduction="mean").item())
+        torch.save(
+            {
+                "capacities": capacities,
+                "losses": losses,
+                "parameters": [p.detach() for p in trainer.model.parameters()],
+            },
+            directory / f"rank{rank}.pt",
+        )
+        torch.distributed.barrier()  # neither process leaves while the other may still be in a collective
+    finally:  # as scripts do (run_training): a group left for the interpreter's exit can abort gloo's threads
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("gradient_reduce_dtype", ["fp32", "bf16"])
