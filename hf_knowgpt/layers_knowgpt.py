@@ -196,13 +196,67 @@ def branch_bias(layer: nn.Module) -> torch.Tensor | None:
     return layer.bias if _plain(layer) else None
 
 
+# In a training step compiled for a CUDA device, the exact GELU's gradient Φ(x) + x·φ(x) from one exponential
+# (`gelu_slope`) instead of inductor's composition of libdevice's erf and a separate exp: the gradient kernel reads
+# two bf16 tensors and writes one, yet ran at about 2.2 TB/s where GELU itself ran at 2.7 (H100 profile,
+# benchmarks/RESULTS.md), which points at its arithmetic. The forward stays torch's exact GELU. Off until
+# step_variants.py's `gelu-gradient-one-exp` shows it pays.
+GELU_GRADIENT_ONE_EXP = False
+GELU_GRADIENT_ONE_EXP_DEVICES = ("cuda",)
+
+# Abramowitz & Stegun 7.1.26: for z ≥ 0, erf(z) = 1 − t·(a₁ + a₂t + a₃t² + a₄t³ + a₅t⁴)·e^{−z²} + ε, t = 1/(1 + p·z),
+# |ε| ≤ 1.5e-7. At z = |x|/√2, e^{−z²} is e^{−x²/2}, the exponential φ(x) needs as well.
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+_LOG2_E = 1.4426950408889634
+_INVERSE_SQRT_2 = 0.7071067811865476
+_INVERSE_SQRT_2PI = 0.3989422804014327
+
+
+def gelu_slope(states: torch.Tensor) -> torch.Tensor:
+    """The exact (erf) GELU's derivative Φ(x) + x·φ(x) in fp32, within 3e-7 of it (as aten's fp32 gradient): one exponential, e^{−x²/2}, serves
+    φ and the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2} (A&S 7.1.26, above), and a reciprocal gives t."""
+    x = states.float()
+    gaussian = torch.exp2(x * x * (-0.5 * _LOG2_E))  # e^{−x²/2}
+    t = torch.reciprocal(x.abs() * (_ERF_P * _INVERSE_SQRT_2) + 1)
+    polynomial = 0.5 * _ERF_A[4]
+    for coefficient in reversed(_ERF_A[:4]):
+        polynomial = polynomial * t + 0.5 * coefficient
+    tail = t * polynomial * gaussian  # 1 − Φ(|x|)
+    return torch.where(x < 0, tail, 1 - tail) + x * gaussian * _INVERSE_SQRT_2PI
+
+
+class _GeluOneExpGradient(torch.autograd.Function):
+    """torch's exact GELU forward; its gradient by `gelu_slope`, rounded once to the incoming gradient's dtype."""
+
+    @staticmethod
+    def forward(ctx, states):
+        ctx.save_for_backward(states)
+        return F.gelu(states)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (states,) = ctx.saved_tensors
+        return (grad.float() * gelu_slope(states)).to(grad.dtype)
+
+
+def activate(activation: nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """activation(states); the exact GELU by `_GeluOneExpGradient` where GELU_GRADIENT_ONE_EXP applies (a plain
+    exact `nn.GELU`, gradients wanted, compiling for a device of GELU_GRADIENT_ONE_EXP_DEVICES)."""
+    applies = GELU_GRADIENT_ONE_EXP and type(activation) is nn.GELU and activation.approximate == "none"
+    applies = applies and states.requires_grad and states.device.type in GELU_GRADIENT_ONE_EXP_DEVICES
+    applies = applies and torch.compiler.is_compiling()
+    return _GeluOneExpGradient.apply(states) if applies else activation(states)
+
+
 def mlp(
     states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear, leave_proj_bias_out: bool = False
 ) -> torch.Tensor:
-    """proj(activation(fc(states))), by `linear` for each layer; `leave_proj_bias_out` as `linear`'s
+    """proj(activation(fc(states))), by `linear` for each layer and `activate`; `leave_proj_bias_out` as `linear`'s
     `leave_bias_out`."""
     # proj's bias gradient stays autograd's: the column-sum kernel did not pay at its width (n_embd).
-    return linear(proj, activation(linear(fc, states)), bias_by_kernel=False, leave_bias_out=leave_proj_bias_out)
+    activated = activate(activation, linear(fc, states))
+    return linear(proj, activated, bias_by_kernel=False, leave_bias_out=leave_proj_bias_out)
 
 
 def _concatenated_product(hidden_states: torch.Tensor, layers) -> torch.Tensor:

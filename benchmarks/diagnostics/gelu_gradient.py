@@ -6,7 +6,8 @@ In the compiled step (`results/h100_profile_handout_narrow_sums_2026_12_05.txt`)
 for 47 MB (two bf16 reads, one write: about 2.2 TB/s), where GELU itself takes 11.7 µs for 31 MB (about 2.7 TB/s).
 Timed here, each compiled by torch.compile and called `CALLS` times back to back in one CUDA graph, replayed:
 GELU's gradient as autograd gives it (`aten.gelu_backward`), the same with inductor's `use_fast_math`, the same
-derivative written with exp2 (Φ(x) + x·φ(x)), GELU forward, and the bytes alone (a sum of the two inputs; a copy).
+derivative written with exp2 (Φ(x) + x·φ(x)), the same from one exponential as the step takes it where
+`layers_knowgpt.GELU_GRADIENT_ONE_EXP` is on (`gelu_slope`), GELU forward, and the bytes alone (a sum of the two inputs; a copy).
 A table of µs per call and TB/s is printed last.
 
     python benchmarks/diagnostics/gelu_gradient.py
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
+from hf_knowgpt.layers_knowgpt import gelu_slope  # noqa: E402
 
 CALLS = 20
 LOG2_E = 1 / math.log(2)
@@ -37,6 +39,10 @@ def gelu_gradient_exp2(grad, states):
     x = states.float()
     density = torch.exp2(x * x * (-0.5 * LOG2_E)) * INVERSE_SQRT_2PI
     return (grad.float() * (0.5 * (1 + torch.erf(x * math.sqrt(0.5))) + x * density)).to(grad.dtype)
+
+
+def gelu_gradient_one_exp(grad, states):
+    return (grad.float() * gelu_slope(states)).to(grad.dtype)
 
 
 def gelu(grad, states):
@@ -55,6 +61,7 @@ WAYS = [  # (name, function, inductor options, tensors read, tensors written)
     ("GELU's gradient (aten.gelu_backward)", gelu_gradient, {}, 2, 1),
     ("GELU's gradient, use_fast_math", gelu_gradient, {"use_fast_math": True}, 2, 1),
     ("GELU's gradient with exp2", gelu_gradient_exp2, {}, 2, 1),
+    ("GELU's gradient, one exp (gelu_slope)", gelu_gradient_one_exp, {}, 2, 1),
     ("bytes alone: two inputs summed", two_inputs_summed, {}, 2, 1),
     ("GELU", gelu, {}, 1, 1),
     ("bytes alone: a copy (× 2)", copied, {}, 1, 1),

@@ -41,6 +41,8 @@ the tensor's size, where it otherwise does so only for tensors it knows to hold 
 rows or more (`triton.mix_order_reduction_non_strict_mode`), `no-mix-order` never; `fallback-random` draws the
 residual dropouts' uniforms with ATen's kernels instead of inductor's Philox inside the kernels that use them;
 `fast-exp` has inductor's kernels take Triton's approximate exp (`use_fast_math`) instead of libdevice's;
+`gelu-gradient-one-exp` computes GELU's gradient from one exponential (`layers_knowgpt.GELU_GRADIENT_ONE_EXP`),
+`gelu-gradient-by-autograd` from libdevice's erf and exp, as autograd's `gelu_backward` is compiled;
 `pointwise-autotune` times several block sizes for each pointwise kernel while compiling (`max_autotune_pointwise`);
 `no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
 `combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
@@ -182,6 +184,9 @@ VARIANTS = {
     "dropout-mask-by-inductor": {"layers_knowgpt": {"DROPOUT_MASK_KERNEL": False}},
     "dropout-masks-together": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": True}},
     "dropout-masks-one-by-one": {"layers_knowgpt": {"DROPOUT_MASKS_TOGETHER": False}},
+    # GELU's gradient from one exponential (layers_knowgpt.gelu_slope) instead of libdevice's erf and exp
+    "gelu-gradient-one-exp": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": True}},
+    "gelu-gradient-by-autograd": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": False}},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},
