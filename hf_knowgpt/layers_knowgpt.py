@@ -198,10 +198,11 @@ def branch_bias(layer: nn.Module) -> torch.Tensor | None:
 
 # In a training step compiled for a CUDA device, the exact GELU's gradient Φ(x) + x·φ(x) from one exponential
 # (`gelu_slope`) instead of inductor's composition of libdevice's erf and a separate exp: the gradient kernel reads
-# two bf16 tensors and writes one, yet ran at about 2.2 TB/s where GELU itself ran at 2.7 (H100 profile,
-# benchmarks/RESULTS.md), which points at its arithmetic. The forward stays torch's exact GELU. Off until
-# step_variants.py's `gelu-gradient-one-exp` shows it pays.
-GELU_GRADIENT_ONE_EXP = False
+# two bf16 tensors and writes one; alone, 15.8 against 18.6 µs at the handout's MLP size, where a kernel that only
+# moves those bytes takes 15.7 (benchmarks/diagnostics/gelu_gradient.py, H100), and 0.13-0.17 s less of the
+# handout's steps in three pairs of whole runs (benchmarks/RESULTS.md). The forward stays torch's exact GELU.
+# False: autograd's gradient (`gelu-gradient-by-autograd` in step_variants.py).
+GELU_GRADIENT_ONE_EXP = True
 GELU_GRADIENT_ONE_EXP_DEVICES = ("cuda",)
 
 # Abramowitz & Stegun 7.1.26: for z ≥ 0, erf(z) = 1 − t·(a₁ + a₂t + a₃t² + a₄t³ + a₅t⁴)·e^{−z²} + ε, t = 1/(1 + p·z),

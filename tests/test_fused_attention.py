@@ -57,16 +57,16 @@ def block_size(request, monkeypatch):
 KERNEL_VARIANTS = {
     "as-is": {},
     "one-uniform-per-draw": {"UNIFORMS_PER_DRAW": 1},
-    "eight-uniforms-per-draw": {"UNIFORMS_PER_DRAW": 8},
+    "four-uniforms-per-draw": {"UNIFORMS_PER_DRAW": 4},
     "correction-in-backward": {"PRECOMPUTED_CORRECTION": False},
 }
 
 
 @pytest.fixture(params=list(KERNEL_VARIANTS))
 def kernel_variant(request, monkeypatch):
-    """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation or eight
-    16-bit ones instead of four, or the backward pass's softmax correction recomputed by every backward
-    program."""
+    """The kernels as they are, their dropout masks taking one uniform from each Philox evaluation or its four
+    32-bit outputs instead of eight 16-bit halves, or the backward pass's softmax correction recomputed by every
+    backward program."""
     for name, value in KERNEL_VARIANTS[request.param].items():
         monkeypatch.setattr(fused_attention, name, value)
     return request.param
@@ -80,7 +80,7 @@ def kernel_variant(request, monkeypatch):
 def test_kernel_matches_fp64_reference_forward_and_backward(
     dtype, dropout_p, length, transposed, splits, block_size, kernel_variant
 ):
-    if dropout_p == 0.0 and kernel_variant == "one-uniform-per-draw":
+    if dropout_p == 0.0 and kernel_variant in ("one-uniform-per-draw", "four-uniforms-per-draw"):
         pytest.skip("without dropout no uniforms are drawn")
     if length > 128 and kernel_variant != "as-is":
         pytest.skip("the variants are checked at the shorter lengths (the interpreter is slow)")

@@ -15,8 +15,8 @@ and dO Vᵀ) run on tensor cores exactly (products of bf16 numbers are exact in 
 fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q —
 split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
 three parts give fp32's 24 bits, two (the default) about 16, one what the flash kernel keeps. The dropout mask is
-regenerated from the call's seed in the backward pass instead of being stored (four adjacent keys'
-uniforms from each Philox evaluation; the mask written as bits by the forward kernel and read back was no faster,
+regenerated from the call's seed in the backward pass instead of being stored (eight adjacent keys'
+16-bit uniforms from each Philox evaluation, the stream `dropout_masks` draws; the mask written as bits by the forward kernel and read back was no faster,
 benchmarks/RESULTS.md), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
 fp32 copy of the output rather than from the rounded one.
 
@@ -71,10 +71,11 @@ BACKWARD_NUM_STAGES = None
 # by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
 # --groups correction, H100).
 PRECOMPUTED_CORRECTION = True
-# Dropout uniforms taken from each Philox evaluation: 4 (its four 32-bit outputs), 8 (their 16-bit halves, as
-# `dropout_masks` draws the residual stream's masks) or 1. Four made the kernel 7% faster than one (0.117 against
-# 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100); eight: built, off until timed.
-UNIFORMS_PER_DRAW = 4
+# Dropout uniforms taken from each Philox evaluation: 8 (its four 32-bit outputs' 16-bit halves, as `dropout_masks`
+# draws the residual stream's masks), 4 (the 32-bit outputs) or 1. Four made the kernel 7% faster than one (0.117
+# against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100); eight took 0.09-0.12 s
+# off the handout's steps against four in three pairs of whole runs, H100 (benchmarks/RESULTS.md).
+UNIFORMS_PER_DRAW = 8
 
 
 def fused_attention_available() -> bool:
