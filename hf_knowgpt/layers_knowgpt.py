@@ -215,8 +215,9 @@ _INVERSE_SQRT_2PI = 0.3989422804014327
 
 
 def gelu_slope(states: torch.Tensor) -> torch.Tensor:
-    """The exact (erf) GELU's derivative Φ(x) + x·φ(x) in fp32, within 3e-7 of it (as aten's fp32 gradient): one exponential, e^{−x²/2}, serves
-    φ and the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2} (A&S 7.1.26, above), and a reciprocal gives t."""
+    """The exact (erf) GELU's derivative Φ(x) + x·φ(x) in fp32, within 3e-7 of it (as aten's fp32 gradient is): one
+    exponential, e^{−x²/2}, serves φ and the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2} (A&S 7.1.26, above), and a
+    reciprocal gives t."""
     x = states.float()
     gaussian = torch.exp2(x * x * (-0.5 * _LOG2_E))  # e^{−x²/2}
     t = torch.reciprocal(x.abs() * (_ERF_P * _INVERSE_SQRT_2) + 1)

@@ -7,8 +7,8 @@ for 47 MB (two bf16 reads, one write: about 2.2 TB/s), where GELU itself takes 1
 Timed here, each compiled by torch.compile and called `CALLS` times back to back in one CUDA graph, replayed:
 GELU's gradient as autograd gives it (`aten.gelu_backward`), the same with inductor's `use_fast_math`, the same
 derivative written with exp2 (Φ(x) + x·φ(x)), the same from one exponential as the step takes it where
-`layers_knowgpt.GELU_GRADIENT_ONE_EXP` is on (`gelu_slope`), GELU forward, and the bytes alone (a sum of the two inputs; a copy).
-A table of µs per call and TB/s is printed last.
+`layers_knowgpt.GELU_GRADIENT_ONE_EXP` is on (`gelu_slope`), GELU forward, and the bytes alone (a sum of the two
+inputs; a copy). A table of µs per call and TB/s is printed last.
 
     python benchmarks/diagnostics/gelu_gradient.py
 """

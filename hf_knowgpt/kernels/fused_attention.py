@@ -15,10 +15,10 @@ and dO Vᵀ) run on tensor cores exactly (products of bf16 numbers are exact in 
 fp32). The products with an fp32 operand — the weights P or the score gradient dS against V, dO, K or Q —
 split that operand into `splits` bf16 parts (x ≈ x₁ + x₂ + x₃, each the rounding of what is left), so
 three parts give fp32's 24 bits, two (the default) about 16, one what the flash kernel keeps. The dropout mask is
-regenerated from the call's seed in the backward pass instead of being stored (eight adjacent keys'
-16-bit uniforms from each Philox evaluation, the stream `dropout_masks` draws; the mask written as bits by the forward kernel and read back was no faster,
-benchmarks/RESULTS.md), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes from an
-fp32 copy of the output rather than from the rounded one.
+regenerated from the call's seed in the backward pass instead of being stored (eight adjacent keys' 16-bit
+uniforms from each Philox evaluation, the stream `dropout_masks` draws; the mask written as bits by the forward
+kernel and read back was no faster, benchmarks/RESULTS.md), and the softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ comes
+from an fp32 copy of the output rather than from the rounded one.
 
 `fused_causal_attention(query, key, value, scale, dropout_p, lengths=None)` takes (B, H, T, D) bf16
 tensors (any strides) and returns the attended values in bf16, in the memory order of `query`; with
