@@ -68,18 +68,18 @@ def sass_instructions(compiled) -> int:
 
 
 def attention_builds(arch):
-    """(name, compiled) of the attention's forward and backward kernels, their dropout taking the module's uniforms
-    per Philox evaluation (`UNIFORMS_PER_DRAW`) and eight."""
+    """(name, compiled) of the attention's forward and backward kernels, their dropout taking four uniforms from each
+    Philox evaluation and eight (`UNIFORMS_PER_DRAW` picks which the library launches)."""
     pointers = [name for name in fused_attention._backward_kernel.arg_names if name.isupper() and len(name) > 1]
     pointers += ["Q", "K", "V", "QR", "KR", "OUT"]
     strides_of_one = {"sq_d": 1, "sk_d": 1, "sv_d": 1, "so_d": 1, "sg_d": 1, "sgq_d": 1, "sgk_d": 1, "sgv_d": 1}
     settings = dict(
         SCALE=32**-0.5, DROPOUT_P=0.1, HEAD_DIM=32, ROW_STRIDE=128, BLOCK=16, SPLITS=fused_attention.DEFAULT_SPLITS,
         HAS_LENGTHS=True, PACKED=True, ROTARY=False, KEY_TABLE=False, HAS_BIAS=False,
-        UNIFORMS=fused_attention.UNIFORMS_PER_DRAW, PRECOMPUTED=True, INTERPRETED=False,
+        PRECOMPUTED=True, INTERPRETED=False,
         PART_STRIDE=8 * 128 * 32,  # the stacked gradient's parts apart: heads × positions × head size
     )  # fmt: skip
-    for uniforms in (settings["UNIFORMS"], 8):
+    for uniforms in (4, 8):
         for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
             given = {**settings, **strides_of_one, "UNIFORMS": uniforms}
             constants = {name: value for name, value in given.items() if name in kernel.arg_names}

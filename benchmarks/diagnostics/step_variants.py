@@ -17,9 +17,9 @@ run, and `--start_by SECONDS` starts no run more than SECONDS after the script b
 fixed time.
 
 Variants (`VARIANTS`): the fused attention kernel's fp32 emulation in 3 bf16 parts per operand, 2 (as it is) or 1
-(`fused_attention.DEFAULT_SPLITS`); its dropout mask taking four uniforms from each Philox evaluation (as it is), eight
-16-bit ones (`uniforms8`) or one (`fused_attention.UNIFORMS_PER_DRAW`); its backward pass's softmax correction from a kernel of its own or
-recomputed by every backward program (`correction-kernel`, `correction-inline`,
+(`fused_attention.DEFAULT_SPLITS`); its dropout mask taking eight 16-bit uniforms from each Philox evaluation (as it
+is, `uniforms8`), its four 32-bit ones (`uniforms4`) or one (`uniforms1`, `fused_attention.UNIFORMS_PER_DRAW`); its
+backward pass's softmax correction from a kernel of its own or recomputed by every backward program (`correction-kernel`, `correction-inline`,
 `fused_attention.PRECOMPUTED_CORRECTION`); its forward and correction programs on one warp (`attention-forward-1-warp`,
 as it is now) or two (`attention-forward-2-warps`, `fused_attention.NUM_WARPS`); packed steps' token counts rounded up to multiples
 of 512 instead of 256, fewer graphs to capture (`bucket512`, `GraphedStepper.BUCKET`); three warm-up steps
@@ -41,8 +41,8 @@ the tensor's size, where it otherwise does so only for tensors it knows to hold 
 rows or more (`triton.mix_order_reduction_non_strict_mode`), `no-mix-order` never; `fallback-random` draws the
 residual dropouts' uniforms with ATen's kernels instead of inductor's Philox inside the kernels that use them;
 `fast-exp` has inductor's kernels take Triton's approximate exp (`use_fast_math`) instead of libdevice's;
-`gelu-gradient-one-exp` computes GELU's gradient from one exponential (`layers_knowgpt.GELU_GRADIENT_ONE_EXP`),
-`gelu-gradient-by-autograd` from libdevice's erf and exp, as autograd's `gelu_backward` is compiled;
+`gelu-gradient-one-exp` computes GELU's gradient from one exponential (`layers_knowgpt.GELU_GRADIENT_ONE_EXP`, as
+it is), `gelu-gradient-by-autograd` from libdevice's erf and exp, as autograd's `gelu_backward` is compiled;
 `pointwise-autotune` times several block sizes for each pointwise kernel while compiling (`max_autotune_pointwise`);
 `no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
 `combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
@@ -163,8 +163,9 @@ VARIANTS = {
     "mix-order-any-size": {"inductor": {"triton.mix_order_reduction_non_strict_mode": True}},
     "no-mix-order": {"inductor": {"triton.mix_order_reduction": False}},
     "fallback-random": {"inductor": {"fallback_random": True}},
-    # Triton's fast exp (ex2.approx, denormals flushed) where inductor writes libdevice's exact one: GELU's
-    # gradient takes an exp and an erf per element of the MLP's 7680 × 1024 states (21.8 µs a layer, H100)
+    # Triton's fast exp (ex2.approx, denormals flushed) where inductor writes libdevice's exact one: the loss's, and
+    # GELU's gradient's with `gelu-gradient-by-autograd` (an exp and an erf per element of the MLP's 7680 × 1024
+    # states, 21.8 µs a layer on an H100; `gelu_slope` takes an exp2 instead)
     "fast-exp": {"inductor": {"use_fast_math": True}},
     # several block sizes of each pointwise kernel timed at compilation, the fastest kept
     "pointwise-autotune": {"inductor": {"max_autotune_pointwise": True}},
