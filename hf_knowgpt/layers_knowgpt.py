@@ -25,19 +25,19 @@ class KnowGPTDropout(nn.Dropout):
         next where its rate and shape are theirs."""
         if not self.drops():
             return super().forward(input)
-        dropped_levels = _dropped_levels(self.p)
+        levels = dropped_levels(self.p)
         keep = masks.take(input, self.p) if masks is not None else None
         if keep is None and input.device.type == "cpu":
             words = torch.empty((input.numel() + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
             uniforms = words.view(torch.int16)[: input.numel()].view(input.shape)
-            keep = uniforms >= dropped_levels - 32768
+            keep = uniforms >= levels - UNIFORM_LEVELS // 2
         elif keep is None:
             draw_mask = _mask_kernel(input)
             if draw_mask is None:
                 return super().forward(input)
-            keep = draw_mask(input.shape, dropped_levels, input.device)
+            keep = draw_mask(input.shape, levels, input.device)
         # mul by the bool mask saves only the mask for backward; the in-place scale saves nothing
-        return input.mul(keep).mul_(65536 / (65536 - dropped_levels))
+        return input.mul(keep).mul_(kept_scale(self.p))
 
     def drops(self) -> bool:
         """Whether a call draws a mask of its own kind (else it is `nn.Dropout`'s: evaluation, p 0 or 1, in place)."""
@@ -52,9 +52,22 @@ class KnowGPTDropout(nn.Dropout):
 DROPOUT_MASK_KERNEL = True
 
 
-def _dropped_levels(p: float) -> int:
-    """Of the 2¹⁶ values a 16-bit uniform takes, how many drop their element at dropout rate p."""
-    return round(p * 65536)
+UNIFORM_LEVELS = 2**16
+
+
+def dropped_levels(p: float) -> int:
+    """Of the 2¹⁶ values a 16-bit uniform takes, how many drop their element at dropout rate p: an element is kept
+    where its uniform is at least this. The rule of every mask the package cuts from 16-bit uniforms (this module's
+    on a CPU, `dropout_masks`' and the attention kernels' on a GPU, whose launch restates it: the kernels cannot
+    import the model's files)."""
+    return round(p * UNIFORM_LEVELS)
+
+
+def kept_scale(p: float) -> float:
+    """What a kept element is multiplied by at dropout rate p: the inverse of the rate at which `dropped_levels`
+    keeps elements (0 where it keeps none, p within 2⁻¹⁷ of 1)."""
+    kept_levels = UNIFORM_LEVELS - dropped_levels(p)
+    return UNIFORM_LEVELS / kept_levels if kept_levels else 0.0
 
 
 def _mask_kernel(states: torch.Tensor):
@@ -82,7 +95,7 @@ class DropoutMasks:
 
     def __init__(self, count: int, shape, p: float, draw, device):
         self.p, self.shape = p, torch.Size(shape)
-        self.masks = draw((count, *shape), _dropped_levels(p), device)
+        self.masks = draw((count, *shape), dropped_levels(p), device)
         self.taken = 0
 
     def take(self, states: torch.Tensor, p: float) -> torch.Tensor | None:
@@ -335,4 +348,14 @@ def causal_lm_loss(logits, targets, num_items_in_batch=None):
     return losses.sum() / num_items_in_batch
 
 
-__all__ = ["KnowGPTDropout", "branch_bias", "causal_lm_loss", "linear", "mlp", "project", "residual_layer_norm"]
+__all__ = [
+    "KnowGPTDropout",
+    "branch_bias",
+    "causal_lm_loss",
+    "dropped_levels",
+    "kept_scale",
+    "linear",
+    "mlp",
+    "project",
+    "residual_layer_norm",
+]

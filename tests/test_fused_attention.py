@@ -30,8 +30,16 @@ def reference_attention(query, key, value, scale, keep=None, dropout_p=0.0, bias
     causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     if keep is not None:
-        weights = torch.where(keep, weights / (1 - dropout_p), 0.0)
+        weights = torch.where(keep, weights * kept_scale(dropout_p), 0.0)
     return weights @ value.double()
+
+
+def kept_scale(dropout_p):
+    """What the kernels multiply kept weights by: with 16-bit uniforms, kept where at least round(p·2¹⁶), the
+    inverse of that keep rate; with uniforms in [0, 1), 1 / (1 − p)."""
+    if fused_attention.UNIFORMS_PER_DRAW == 8:
+        return 2**16 / (2**16 - round(dropout_p * 2**16))
+    return 1 / (1 - dropout_p)
 
 
 def head_inputs(batch, heads, length, head_dim, dtype, transposed):
@@ -371,16 +379,22 @@ def test_eight_uniforms_per_draw_are_the_dropout_mask_kernels_stream(monkeypatch
     from hf_knowgpt.kernels.dropout_masks import philox_reference
 
     monkeypatch.setattr(fused_attention, "UNIFORMS_PER_DRAW", 8)
-    batch, heads, length, dropout_p, seed = 1, 2, 20, 0.3, 12345
+    batch, heads, length, seed = 1, 2, 20, 12345
     stride = 32  # the padded length of 20 positions
-    levels = round(dropout_p * 65536)
     seed_tensor = torch.tensor([seed], device=DEVICE)
-    keep = dropout_keep_mask(seed_tensor, batch, heads, length, dropout_p).view(-1, length, length).cpu()
     grid = (batch * heads, stride, stride)
     uniforms = philox_reference(seed, batch * heads * stride * stride).view(grid)
-    assert torch.equal(keep, (uniforms >= levels)[:, :length, :length])
-    drawn = mask_kernel_draws(grid, levels, DEVICE, seed=seed_tensor).cpu()
-    assert torch.equal(keep, drawn[:, :length, :length])
+    # A rate halfway between two levels: p·2¹⁶ = u + ½ for an even uniform u the mask holds, which round() takes
+    # down to u, so that uniform is kept (a rule of its own in the kernel, u + ½ > p·2¹⁶, would drop it).
+    seen = uniforms[:, :length, :length]
+    even = seen[seen % 2 == 0][0].item()
+    for dropout_p in (0.3, (even + 0.5) / 2**16):
+        levels = round(dropout_p * 2**16)
+        keep = dropout_keep_mask(seed_tensor, batch, heads, length, dropout_p).view(-1, length, length).cpu()
+        assert torch.equal(keep, (uniforms >= levels)[:, :length, :length])
+        drawn = mask_kernel_draws(grid, levels, DEVICE, seed=seed_tensor).cpu()
+        assert torch.equal(keep, drawn[:, :length, :length])
+    assert levels == even and keep[seen == even].all()
 
 
 @needs_kernel

@@ -334,6 +334,25 @@ def test_cpu_dropout_drops_at_rate_p_scales_to_keep_the_mean_and_repeats_with_th
     assert torch.equal(dropout.eval()(states), states)
 
 
+def test_the_sixteen_bit_dropout_rule_rounds_the_rate_to_levels_and_scales_by_the_rate_kept():
+    """Every mask the package cuts from 16-bit uniforms keeps an element where its uniform is at least
+    round(p·2¹⁶) and scales it by 2¹⁶ over the levels kept; the CPU dropout's kept elements carry that scale."""
+    assert layers_knowgpt.dropped_levels(0.1) == 6554 and layers_knowgpt.dropped_levels(0.0) == 0
+    assert layers_knowgpt.dropped_levels(2.5 / 2**16) == 2  # halfway: round() to even, as the kernels take it
+    assert layers_knowgpt.kept_scale(0.1) == 2**16 / (2**16 - 6554) and layers_knowgpt.kept_scale(0.0) == 1.0
+    assert layers_knowgpt.kept_scale(1 - 2**-20) == 0.0  # every level drops: nothing kept, nothing to scale
+    torch.manual_seed(0)
+    dropped = layers_knowgpt.KnowGPTDropout(0.1).train()(torch.ones(1000, dtype=torch.float64))
+    assert set(dropped.unique().tolist()) == {0.0, layers_knowgpt.kept_scale(0.1)}
+    # The attention kernels' launch restates the rule (the kernels cannot import the model's files): the same numbers.
+    from hf_knowgpt.kernels import fused_attention
+
+    halfway = [(level + 0.5) / 2**16 for level in (0, 1, 2, 6553, 6554, 2**16 - 1)]
+    for p in [0.0, 0.1, 0.3, 0.5, 1 / 3, 1 - 2**-20, *halfway]:
+        rule = (layers_knowgpt.dropped_levels(p), layers_knowgpt.kept_scale(p)) if p else (0, 1.0)
+        assert fused_attention._dropout_rule(p) == rule, p
+
+
 def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four():
     dropout = layers_knowgpt.KnowGPTDropout(0.5).train()
     for shape in [(1,), (3, 7), (2, 5, 9)]:

@@ -15,7 +15,7 @@ draws. `philox_reference` computes the same uniforms in Python for the tests.
 
 import torch
 
-from .fused_attention import _interpreted, draw_seed, triton
+from .fused_attention import UNIFORM_LEVELS, _interpreted, draw_seed, triton
 
 if triton is not None:
     import triton.language as tl
@@ -25,7 +25,6 @@ if triton is not None:
 # Philox counters per program; each gives 8 mask elements.
 COUNTERS_PER_PROGRAM = 256
 UNIFORMS_PER_EVALUATION = 8
-UNIFORM_LEVELS = 2**16
 
 
 def dropout_masks_available() -> bool:

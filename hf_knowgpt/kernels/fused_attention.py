@@ -76,6 +76,8 @@ PRECOMPUTED_CORRECTION = True
 # against 0.126 ms forward + backward, benchmarks/bench_attention.py --groups dropout, H100); eight took 0.09-0.12 s
 # off the handout's steps against four in three pairs of whole runs, H100 (benchmarks/RESULTS.md).
 UNIFORMS_PER_DRAW = 8
+# The values a 16-bit uniform takes (the rule of `_dropout_rule` and of `dropout_masks`).
+UNIFORM_LEVELS = 2**16
 
 
 def fused_attention_available() -> bool:
@@ -135,6 +137,20 @@ def launch_warps(backward: bool, block: int) -> int:
 
 def _block(length: int) -> int:
     return max(16, 1 << (length - 1).bit_length())
+
+
+def _dropout_rule(dropout_p: float) -> tuple[int, float]:
+    """The kernels' dropout at rate `dropout_p`: how many of a 16-bit uniform's levels drop a weight, and what kept
+    weights are multiplied by. With eight uniforms per draw, `layers_knowgpt.dropped_levels` and `kept_scale`, the
+    rule of every 16-bit mask of the package, restated here because the kernels sit below the model's files (which
+    import them, and which a checkpoint carries without them); a test holds the two equal. With one or four, uniforms
+    in [0, 1) kept from p on (no levels) and scaled by 1 / (1 − p)."""
+    if dropout_p == 0:
+        return 0, 1.0
+    if UNIFORMS_PER_DRAW == 8:
+        dropped = round(dropout_p * UNIFORM_LEVELS)
+        return dropped, UNIFORM_LEVELS / (UNIFORM_LEVELS - dropped) if dropped < UNIFORM_LEVELS else 0.0
+    return 0, 1.0 / (1.0 - dropout_p)
 
 
 if triton is not None:
@@ -205,20 +221,20 @@ if triton is not None:
     @triton.jit
     def _dropout_keep(
         seed_pointer, program, rows, first_col, COLS: tl.constexpr, ROW_STRIDE: tl.constexpr, dropout_p,
-        UNIFORMS: tl.constexpr,
+        dropped_levels, UNIFORMS: tl.constexpr,
     ):  # fmt: skip
         """Which weights of keys first_col … first_col + COLS − 1 survive dropout: one uniform per
         (batch·head, query, key) from the call's seed, drawn identically by the forward and the backward
         kernel, whatever their block size. With UNIFORMS 4, each Philox evaluation's four outputs serve
         four adjacent keys (a quarter of the generator's work); with 8, their 16-bit halves serve eight, each
-        kept where its uniform is at least round(p·2¹⁶), `dropout_masks`' rule and layout: key k of query r of
-        program n takes uniform (n·ROW_STRIDE + r)·ROW_STRIDE + k of that module's stream for the seed; with 1, each
-        key takes the first output of its own evaluation."""
+        kept where its uniform is at least `dropped_levels` (`layers_knowgpt.dropped_levels`), `dropout_masks`'
+        rule and layout: key k of query r of program n takes uniform (n·ROW_STRIDE + r)·ROW_STRIDE + k of that
+        module's stream for the seed; with 1, each key takes the first output of its own evaluation."""
         if UNIFORMS == 8:
             octets = first_col // 8 + tl.arange(0, COLS // 8)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 8) + octets[None, :]
             uniforms = _eight_uniforms(tl.load(seed_pointer), offsets)
-            keep = uniforms.to(tl.float32) + 0.5 > dropout_p * 65536.0  # u ≥ round(p·2¹⁶) for an integer u
+            keep = uniforms >= dropped_levels
         elif UNIFORMS == 4:
             quads = first_col // 4 + tl.arange(0, COLS // 4)
             offsets = (program * ROW_STRIDE + rows[:, None]) * (ROW_STRIDE // 4) + quads[None, :]
@@ -279,7 +295,8 @@ if triton is not None:
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, so_b, so_h, so_t, so_d,
         sqr_b, sqr_h, sqr_t, sqr_d, skr_b, skr_h, skr_t, skr_d,
         n_head, seq_len,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, DROPPED_LEVELS: tl.constexpr, KEEP_SCALE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
         INTERPRETED: tl.constexpr,
@@ -312,7 +329,7 @@ if triton is not None:
                 row_sum = row_sum * rescale + tl.sum(weights, 1)
                 if DROPOUT_P > 0:
                     keep = _dropout_keep(
-                        SEED, program, rows, key_block * BLOCK, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS
+                        SEED, program, rows, key_block * BLOCK, BLOCK, ROW_STRIDE, DROPOUT_P, DROPPED_LEVELS, UNIFORMS
                     )
                     weights = tl.where(keep, weights, 0.0)
                 out = _split_dot(weights, v, out * rescale[:, None], SPLITS, INTERPRETED)
@@ -323,7 +340,7 @@ if triton is not None:
                 k = _rotate(k, rows, COS, SIN, seq_len, HEAD_DIM, ROTARY, False)
                 _store(KR, k, b, h, skr_b, skr_h, skr_t, skr_d, rows, dims, length, start, limit)
         real = rows < length
-        out = out / (tl.where(real, row_sum, 1.0) * (1.0 - DROPOUT_P))[:, None]
+        out = out * (KEEP_SCALE / tl.where(real, row_sum, 1.0))[:, None]  # a division per row, not per element
         _store(OUT, out, b, h, so_b, so_h, so_t, so_d, rows, dims, length, start, limit)
         # The fp32 output gives the backward pass its softmax correction Σⱼ Pᵢⱼ dPᵢⱼ = dOᵢ·Oᵢ unrounded.
         head_stride = seq_len * HEAD_DIM
@@ -374,8 +391,9 @@ if triton is not None:
     @triton.jit
     def _weight_gradients(
         q, k, v, grad_out, lse, correction, BIAS, rows, first_col, length, SEED, program,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, BLOCK: tl.constexpr, ROW_STRIDE: tl.constexpr,
-        HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr, INTERPRETED: tl.constexpr,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, DROPPED_LEVELS: tl.constexpr, KEEP_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr, ROW_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
+        INTERPRETED: tl.constexpr,
     ):  # fmt: skip
         """For a block of queries against a block of keys: the weights after dropout (what multiplied V)
         and the gradient of the scores (bias included) dS = P ∘ (dP − Σⱼ Pᵢⱼ dPᵢⱼ), all in fp32; the
@@ -385,9 +403,11 @@ if triton is not None:
         weights = tl.exp(scores - lse[:, None])
         grad_weights = _dot(grad_out, tl.trans(v), tl.zeros((rows.shape[0], cols.shape[0]), tl.float32), INTERPRETED)
         if DROPOUT_P > 0:
-            keep = _dropout_keep(SEED, program, rows, first_col, BLOCK, ROW_STRIDE, DROPOUT_P, UNIFORMS)
-            kept_weights = tl.where(keep, weights / (1.0 - DROPOUT_P), 0.0)
-            grad_weights = tl.where(keep, grad_weights / (1.0 - DROPOUT_P), 0.0)
+            keep = _dropout_keep(
+                SEED, program, rows, first_col, BLOCK, ROW_STRIDE, DROPOUT_P, DROPPED_LEVELS, UNIFORMS
+            )
+            kept_weights = tl.where(keep, weights * KEEP_SCALE, 0.0)
+            grad_weights = tl.where(keep, grad_weights * KEEP_SCALE, 0.0)
         else:
             kept_weights = weights
         return kept_weights, weights * (grad_weights - correction[:, None])
@@ -399,7 +419,8 @@ if triton is not None:
         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d, sv_b, sv_h, sv_t, sv_d, sg_b, sg_h, sg_t, sg_d,
         sgq_b, sgq_h, sgq_t, sgq_d, sgk_b, sgk_h, sgk_t, sgk_d, sgv_b, sgv_h, sgv_t, sgv_d,
         n_head, seq_len,
-        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
+        SCALE: tl.constexpr, DROPOUT_P: tl.constexpr, DROPPED_LEVELS: tl.constexpr, KEEP_SCALE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, ROW_STRIDE: tl.constexpr,
         BLOCK: tl.constexpr, SPLITS: tl.constexpr, HAS_LENGTHS: tl.constexpr, PACKED: tl.constexpr,
         ROTARY: tl.constexpr, KEY_TABLE: tl.constexpr, HAS_BIAS: tl.constexpr, UNIFORMS: tl.constexpr,
         PRECOMPUTED: tl.constexpr, PART_STRIDE: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -435,7 +456,8 @@ if triton is not None:
                 )  # fmt: skip
                 kept_weights, grad_scores = _weight_gradients(
                     q, k, v, grad_out, lse, correction, BIAS, rows, block * BLOCK, length, SEED, program,
-                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
+                    SCALE, DROPOUT_P, DROPPED_LEVELS, KEEP_SCALE, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS,
+                    INTERPRETED,
                 )  # fmt: skip
                 grad_v = _split_dot(tl.trans(kept_weights), grad_out, grad_v, SPLITS, INTERPRETED)
                 grad_k = _split_dot(tl.trans(grad_scores), q, grad_k, SPLITS, INTERPRETED)
@@ -451,7 +473,8 @@ if triton is not None:
                 v = _load(V, b, h, sv_b, sv_h, sv_t, sv_d, cols, dims, length, start)
                 _, grad_scores = _weight_gradients(
                     q, k, v, grad_out, lse, correction, BIAS, positions, key_block * BLOCK, length, SEED, program,
-                    SCALE, DROPOUT_P, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS, INTERPRETED,
+                    SCALE, DROPOUT_P, DROPPED_LEVELS, KEEP_SCALE, BLOCK, ROW_STRIDE, HAS_BIAS, UNIFORMS,
+                    INTERPRETED,
                 )  # fmt: skip
                 grad_q = _split_dot(grad_scores, k, grad_q, SPLITS, INTERPRETED)
         # The scores' gradients times the scale: those of Q Kᵀ. Rotated queries' and keys' gradients are
@@ -487,10 +510,12 @@ if triton is not None:
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
         block = min(block_size, row_stride)
+        dropped, keep_scale = _dropout_rule(dropout_p)
         options = dict(
-            SCALE=scale, DROPOUT_P=dropout_p, HEAD_DIM=head_dim, ROW_STRIDE=row_stride, BLOCK=block,
-            SPLITS=splits, HAS_LENGTHS=lengths is not None, PACKED=starts is not None, ROTARY=rotary,
-            KEY_TABLE=key_table, HAS_BIAS=bias is not None, UNIFORMS=UNIFORMS_PER_DRAW,
+            SCALE=scale, DROPOUT_P=dropout_p, DROPPED_LEVELS=dropped, KEEP_SCALE=keep_scale, HEAD_DIM=head_dim,
+            ROW_STRIDE=row_stride, BLOCK=block, SPLITS=splits, HAS_LENGTHS=lengths is not None,
+            PACKED=starts is not None, ROTARY=rotary, KEY_TABLE=key_table, HAS_BIAS=bias is not None,
+            UNIFORMS=UNIFORMS_PER_DRAW,
             PRECOMPUTED=PRECOMPUTED_CORRECTION, PART_STRIDE=part_stride, INTERPRETED=_interpreted(),
         )  # fmt: skip
         options = {name: value for name, value in options.items() if name in kernel.arg_names}
@@ -781,17 +806,18 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, length: int, d
     """The (B, H, T, T) boolean mask of the weights the kernels keep for `seed`, for tests and debugging."""
     block = _block(length)
     keep = torch.empty(batch * heads, block, block, dtype=torch.int8, device=seed.device)
-    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, ROW_STRIDE=block, UNIFORMS=UNIFORMS_PER_DRAW)
+    dropped, _ = _dropout_rule(dropout_p)
+    _mask_kernel[(batch * heads,)](seed, keep, dropout_p, dropped, ROW_STRIDE=block, UNIFORMS=UNIFORMS_PER_DRAW)
     return keep[:, :length, :length].bool().view(batch, heads, length, length)
 
 
 if triton is not None:
 
     @triton.jit
-    def _mask_kernel(SEED, KEEP, dropout_p, ROW_STRIDE: tl.constexpr, UNIFORMS: tl.constexpr):
+    def _mask_kernel(SEED, KEEP, dropout_p, dropped_levels, ROW_STRIDE: tl.constexpr, UNIFORMS: tl.constexpr):
         program = tl.program_id(0)
         rows = tl.arange(0, ROW_STRIDE)
-        keep = _dropout_keep(SEED, program, rows, 0, ROW_STRIDE, ROW_STRIDE, dropout_p, UNIFORMS)
+        keep = _dropout_keep(SEED, program, rows, 0, ROW_STRIDE, ROW_STRIDE, dropout_p, dropped_levels, UNIFORMS)
         offsets = program * ROW_STRIDE * ROW_STRIDE + rows[:, None] * ROW_STRIDE + rows[None, :]
         tl.store(KEEP + offsets, keep.to(tl.int8))
 
