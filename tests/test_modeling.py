@@ -350,7 +350,7 @@ def test_the_sixteen_bit_dropout_rule_rounds_the_rate_to_levels_and_scales_by_th
     halfway = [(level + 0.5) / 2**16 for level in (0, 1, 2, 6553, 6554, 2**16 - 1)]
     for p in [0.0, 0.1, 0.3, 0.5, 1 / 3, 1 - 2**-20, *halfway]:
         rule = (layers_knowgpt.dropped_levels(p), layers_knowgpt.kept_scale(p)) if p else (0, 1.0)
-        assert fused_attention._dropout_rule(p) == rule, p
+        assert fused_attention._dropout_rule(p, uniforms_per_draw=8) == rule, p
 
 
 def test_cpu_dropout_keeps_shape_dtype_and_handles_sizes_not_divisible_by_four():

@@ -80,10 +80,7 @@ def attention_builds(arch):
         PART_STRIDE=8 * 128 * 32,  # the stacked gradient's parts apart: heads × positions × head size
     )  # fmt: skip
     for uniforms in (4, 8):
-        drawn_as_launched = fused_attention.UNIFORMS_PER_DRAW
-        fused_attention.UNIFORMS_PER_DRAW = uniforms  # the rule the launch takes for this many uniforms
-        dropped, keep_scale = fused_attention._dropout_rule(settings["DROPOUT_P"])
-        fused_attention.UNIFORMS_PER_DRAW = drawn_as_launched
+        dropped, keep_scale = fused_attention._dropout_rule(settings["DROPOUT_P"], uniforms)  # as the launch takes it
         for kernel in (fused_attention._forward_kernel, fused_attention._backward_kernel):
             given = {
                 **settings, **strides_of_one, "UNIFORMS": uniforms, "DROPPED_LEVELS": dropped, "KEEP_SCALE": keep_scale

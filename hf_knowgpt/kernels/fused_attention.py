@@ -139,15 +139,16 @@ def _block(length: int) -> int:
     return max(16, 1 << (length - 1).bit_length())
 
 
-def _dropout_rule(dropout_p: float) -> tuple[int, float]:
-    """The kernels' dropout at rate `dropout_p`: how many of a 16-bit uniform's levels drop a weight, and what kept
-    weights are multiplied by. With eight uniforms per draw, `layers_knowgpt.dropped_levels` and `kept_scale`, the
-    rule of every 16-bit mask of the package, restated here because the kernels sit below the model's files (which
-    import them, and which a checkpoint carries without them); a test holds the two equal. With one or four, uniforms
-    in [0, 1) kept from p on (no levels) and scaled by 1 / (1 − p)."""
+def _dropout_rule(dropout_p: float, uniforms_per_draw: int) -> tuple[int, float]:
+    """The kernels' dropout at rate `dropout_p`, drawing `uniforms_per_draw` uniforms from each Philox evaluation: how
+    many of a 16-bit uniform's levels drop a weight, and what kept weights are multiplied by. With eight,
+    `layers_knowgpt.dropped_levels` and `kept_scale`, the rule of every 16-bit mask of the package, restated here
+    because the kernels sit below the model's files (which import them, and which a checkpoint carries without them);
+    a test holds the two equal. With one or four, uniforms in [0, 1) kept from p on (no levels) and scaled by
+    1 / (1 − p)."""
     if dropout_p == 0:
         return 0, 1.0
-    if UNIFORMS_PER_DRAW == 8:
+    if uniforms_per_draw == 8:
         dropped = round(dropout_p * UNIFORM_LEVELS)
         return dropped, UNIFORM_LEVELS / (UNIFORM_LEVELS - dropped) if dropped < UNIFORM_LEVELS else 0.0
     return 0, 1.0 / (1.0 - dropout_p)
@@ -510,7 +511,7 @@ if triton is not None:
         batch, heads, length, head_dim = shape
         row_stride = _block(length)
         block = min(block_size, row_stride)
-        dropped, keep_scale = _dropout_rule(dropout_p)
+        dropped, keep_scale = _dropout_rule(dropout_p, UNIFORMS_PER_DRAW)
         options = dict(
             SCALE=scale, DROPOUT_P=dropout_p, DROPPED_LEVELS=dropped, KEEP_SCALE=keep_scale, HEAD_DIM=head_dim,
             ROW_STRIDE=row_stride, BLOCK=block, SPLITS=splits, HAS_LENGTHS=lengths is not None,
@@ -806,7 +807,7 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, length: int, d
     """The (B, H, T, T) boolean mask of the weights the kernels keep for `seed`, for tests and debugging."""
     block = _block(length)
     keep = torch.empty(batch * heads, block, block, dtype=torch.int8, device=seed.device)
-    dropped, _ = _dropout_rule(dropout_p)
+    dropped, _ = _dropout_rule(dropout_p, UNIFORMS_PER_DRAW)
     _mask_kernel[(batch * heads,)](seed, keep, dropout_p, dropped, ROW_STRIDE=block, UNIFORMS=UNIFORMS_PER_DRAW)
     return keep[:, :length, :length].bool().view(batch, heads, length, length)
 
