@@ -16,7 +16,8 @@ as SDPA in fp32 with the bias in its mask (what the synthesizer ran before) agai
 and the unfused kernel compute every position whatever the lengths. `dropout`: the default kernel taking
 four dropout uniforms from each Philox evaluation, one, or running without dropout. `correction`: the
 backward pass's softmax correction dOᵢ·Oᵢ computed by a kernel of its own or in every backward program.
-`launch`: warps, software-pipelining stages and (backward) block size of each kernel alone. Each group's
+`launch`: warps, software-pipelining stages and (backward) block size of each kernel alone. `registers`: the most
+registers a thread of each kernel may take (`maxnreg`). Each group's
 first kernel is its baseline, for the speed ratio and the differences.
 """
 
@@ -177,7 +178,9 @@ def main():
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--data_dir", default=".data", help="where wiki.txt is (for realistic row lengths)")
     parser.add_argument(
-        "--groups", default="sweep", help="comma-separated: sweep, rope, synthesizer, dropout, correction, launch"
+        "--groups",
+        default="sweep",
+        help="comma-separated: sweep, rope, synthesizer, dropout, correction, launch, registers",
     )
     parser.add_argument("--results", default=None, help="JSON file for the table")
     args = parser.parse_args()
@@ -270,6 +273,21 @@ def main():
         "backward blocks of 32, 4 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 4}},
         "backward blocks of 32, 8 warps": {"BACKWARD_BLOCK_SIZE": 32, "BACKWARD_NUM_WARPS": {32: 8}},
     }
+    # Registers a thread may take (`maxnreg`): fewer let more programs share a multiprocessor, at the cost of spills.
+    registers = {
+        "backward ≤ 96 registers": {"BACKWARD_MAX_REGISTERS": 96},
+        "backward ≤ 80 registers": {"BACKWARD_MAX_REGISTERS": 80},
+        "backward ≤ 72 registers": {"BACKWARD_MAX_REGISTERS": 72},
+        "backward ≤ 64 registers": {"BACKWARD_MAX_REGISTERS": 64},
+        "forward ≤ 72 registers": {"MAX_REGISTERS": 72},
+        "forward ≤ 64 registers": {"MAX_REGISTERS": 64},
+        "forward ≤ 72, backward ≤ 96 registers": {"MAX_REGISTERS": 72, "BACKWARD_MAX_REGISTERS": 96},
+        "backward 1 warp, ≤ 96 registers": {"BACKWARD_NUM_WARPS": {16: 1}, "BACKWARD_MAX_REGISTERS": 96},
+        "library defaults again (the machine's drift)": {},
+    }
+    groups["registers"] = {"registers: triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {})}
+    for name, constants in registers.items():
+        groups["registers"][f"registers: triton, {name}, lengths"] = (triton_kernel(None, lengths), inputs, constants)
     groups["launch"] = {"launch: triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {})}
     for name, constants in launches.items():
         groups["launch"][f"launch: triton, {name}, lengths"] = (triton_kernel(None, lengths), inputs, constants)

@@ -67,6 +67,12 @@ NUM_STAGES = None
 BACKWARD_BLOCK_SIZE = None
 BACKWARD_NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 8}
 BACKWARD_NUM_STAGES = None
+# The most registers a thread of the forward (and correction) or the backward kernel may take (Triton's `maxnreg`;
+# None: as many as the compiler wants). Fewer registers let more programs share a multiprocessor: built for sm_90 the
+# backward kernel takes 118 a thread, so 8 of its 2-warp programs fit where 96 would let 10 and 80 let 12, at the cost
+# of spilling (benchmarks/bench_attention.py --groups registers).
+MAX_REGISTERS = None
+BACKWARD_MAX_REGISTERS = None
 # The backward pass's softmax correction dOᵢ·Oᵢ computed once per query by a kernel of its own (True), or
 # by every backward program that reads the query's block: 0.105 against 0.117 ms (bench_attention.py
 # --groups correction, H100).
@@ -525,6 +531,9 @@ if triton is not None:
         stages = (BACKWARD_NUM_STAGES if backward else None) or NUM_STAGES
         if stages is not None:
             options["num_stages"] = stages
+        registers = BACKWARD_MAX_REGISTERS if backward else MAX_REGISTERS
+        if registers is not None:
+            options["maxnreg"] = registers
         if _recording is not None:  # `recorded_launches`: what the kernel would be handed, by argument name
             return lambda *arguments: _recording.append(
                 (kernel, {**dict(zip(kernel.arg_names, (*arguments, heads, length))), **options})
