@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The package's Triton kernels built for a GPU architecture without a GPU (`triton.compile` for a target, as a
-CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), its
-shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
+CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), the
+registers a thread takes and its stack (spills among it), its shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), their dropout taking four
 uniforms from each Philox evaluation and eight; for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
@@ -58,13 +58,26 @@ def build(kernel, constants, pointers, multiples_of_16, num_warps, num_stages, a
     return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def sass_instructions(compiled) -> int:
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+def cubin_tool(compiled, tool: str, *flags: str) -> str:
+    """What Triton's copy of `tool` (nvdisasm, cuobjdump) prints for the kernel's cubin."""
+    executable = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        listing = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(executable), *flags, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def sass_instructions(compiled) -> int:
+    listing = cubin_tool(compiled, "nvdisasm", "-c")
     return sum(1 for line in listing.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/\s+\S", line))
+
+
+def registers_and_stack(compiled) -> tuple[int, int]:
+    """Registers a thread takes, and its stack bytes (spilled registers among them), as ptxas allotted them: the
+    registers bound how many programs share a multiprocessor (65,536 registers each on sm_90)."""
+    usage = cubin_tool(compiled, "cuobjdump", "--dump-resource-usage")
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return int(found[1]), int(found[2])
 
 
 def attention_builds(arch):
@@ -161,6 +174,7 @@ def main():
             (
                 name,
                 sass_instructions(compiled),
+                *registers_and_stack(compiled),
                 compiled.metadata.shared,
                 "warp_group_dot" in ttgir,
                 "async_copy_global_to_local" in ttgir,
@@ -169,9 +183,14 @@ def main():
         print(rows[-1], flush=True)
     print(f"\nTriton {triton.__version__}, built for sm_{args.arch} (static counts, not speeds)")
     width = max(len("kernel"), *(len(row[0]) for row in rows)) + 2
-    print(f"{'kernel':<{width}}{'SASS instructions':>19}{'shared bytes':>14}{'wgmma':>7}{'async loads':>13}")
-    for name, instructions, shared, wgmma, asynchronous in rows:
-        print(f"{name:<{width}}{instructions:>19}{shared:>14}{wgmma!s:>7}{asynchronous!s:>13}")
+    print(
+        f"{'kernel':<{width}}{'SASS instructions':>19}{'registers':>11}{'stack bytes':>13}{'shared bytes':>14}"
+        f"{'wgmma':>7}{'async loads':>13}"
+    )
+    for name, instructions, registers, stack, shared, wgmma, asynchronous in rows:
+        print(
+            f"{name:<{width}}{instructions:>19}{registers:>11}{stack:>13}{shared:>14}{wgmma!s:>7}{asynchronous!s:>13}"
+        )
 
 
 if __name__ == "__main__":
