@@ -3,7 +3,8 @@
 CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), the
 registers a thread takes and its stack (spills among it), its shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
 kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), their dropout taking four
-uniforms from each Philox evaluation and eight; for the residual + dropout
+uniforms from each Philox evaluation and eight, and with eight under caps on the registers a thread may take
+(`REGISTER_CAPS`); for the residual + dropout
 + LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
 output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
 kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor
@@ -37,9 +38,10 @@ POINTER_TYPES = {
 }  # fmt: skip
 
 
-def build(kernel, constants, pointers, multiples_of_16, num_warps, num_stages, arch):
+def build(kernel, constants, pointers, multiples_of_16, num_warps, num_stages, arch, max_registers=None):
     """`kernel` compiled for `arch` with `constants` as constexprs; `pointers` the arguments that are pointers (a
-    list, typed by POINTER_TYPES or else bf16, or a dict of their types)."""
+    list, typed by POINTER_TYPES or else bf16, or a dict of their types); at most `max_registers` a thread where
+    given (Triton's `maxnreg`)."""
     names = kernel.arg_names
     types = pointers if isinstance(pointers, dict) else {name: POINTER_TYPES.get(name, "*bf16") for name in pointers}
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in names}
@@ -55,7 +57,10 @@ def build(kernel, constants, pointers, multiples_of_16, num_warps, num_stages, a
         attrs=attributes,
     )
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(source, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if max_registers is not None:
+        options["maxnreg"] = max_registers
+    return triton.compile(source, target=target, options=options)
 
 
 def cubin_tool(compiled, tool: str, *flags: str) -> str:
@@ -78,6 +83,10 @@ def registers_and_stack(compiled) -> tuple[int, int]:
     usage = cubin_tool(compiled, "cuobjdump", "--dump-resource-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     return int(found[1]), int(found[2])
+
+
+# Caps on the registers a thread of the attention kernels may take, built beside the compiler's own choice.
+REGISTER_CAPS = {"_forward_kernel": (72, 64), "_backward_kernel": (96, 80, 72, 64)}
 
 
 def attention_builds(arch):
@@ -103,6 +112,10 @@ def attention_builds(arch):
             warps = fused_attention.launch_warps(kernel is fused_attention._backward_kernel, settings["BLOCK"])
             compiled = build(kernel, constants, pointers, multiples, warps, 3, arch)
             yield f"attention {kernel.fn.__name__.strip('_')}, {uniforms} uniforms per Philox", compiled
+            # registers capped (`MAX_REGISTERS`, `BACKWARD_MAX_REGISTERS`), with the library's eight uniforms
+            for cap in REGISTER_CAPS[kernel.fn.__name__] if uniforms == 8 else ():
+                compiled = build(kernel, constants, pointers, multiples, warps, 3, arch, max_registers=cap)
+                yield f"attention {kernel.fn.__name__.strip('_')}, ≤ {cap} registers", compiled
 
 
 def residual_layer_norm_builds(arch):
