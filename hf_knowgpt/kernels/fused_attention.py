@@ -70,7 +70,9 @@ BACKWARD_NUM_STAGES = None
 # The most registers a thread of the forward (and correction) or the backward kernel may take (Triton's `maxnreg`;
 # None: as many as the compiler wants). Fewer registers let more programs share a multiprocessor: built for sm_90 the
 # backward kernel takes 118 a thread, so 8 of its 2-warp programs fit where 96 would let 10 and 80 let 12, at the cost
-# of spilling (benchmarks/bench_attention.py --groups registers).
+# of spilling (benchmarks/bench_attention.py --groups registers; benchmarks/diagnostics/kernel_builds.py builds them).
+# Not yet timed on a GPU, nor launched from a compiled step (inductor's wrapper of a Triton call moves num_warps and
+# num_stages out of its arguments, not maxnreg).
 MAX_REGISTERS = None
 BACKWARD_MAX_REGISTERS = None
 # The backward pass's softmax correction dOᵢ·Oᵢ computed once per query by a kernel of its own (True), or
