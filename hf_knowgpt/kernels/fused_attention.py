@@ -68,11 +68,11 @@ BACKWARD_BLOCK_SIZE = None
 BACKWARD_NUM_WARPS = {16: 2, 32: 2, 64: 4, 128: 8}
 BACKWARD_NUM_STAGES = None
 # The most registers a thread of the forward (and correction) or the backward kernel may take (Triton's `maxnreg`;
-# None: as many as the compiler wants). Fewer registers let more programs share a multiprocessor: built for sm_90 the
-# backward kernel takes 118 a thread, so 8 of its 2-warp programs fit where 96 would let 10 and 80 let 12, at the cost
-# of spilling (benchmarks/bench_attention.py --groups registers; benchmarks/diagnostics/kernel_builds.py builds them).
-# Not yet timed on a GPU, nor launched from a compiled step (inductor's wrapper of a Triton call moves num_warps and
-# num_stages out of its arguments, not maxnreg).
+# None: as many as the compiler wants). Built for sm_90 the backward kernel takes 118 a thread, so 8 of its 2-warp
+# programs share a multiprocessor; caps of 96 to 64 let 10 to 16, spill, and ran the kernels as fast or slower (0.090 to
+# 0.096 ms against 0.089, H200, benchmarks/bench_attention.py --groups registers; benchmarks/RESULTS.md). For the
+# kernels launched alone: a compiled step's launches go through inductor's wrapper of Triton calls, which takes
+# num_warps and num_stages out of a call's arguments but not maxnreg, and a cap is untried there.
 MAX_REGISTERS = None
 BACKWARD_MAX_REGISTERS = None
 # The backward pass's softmax correction dOᵢ·Oᵢ computed once per query by a kernel of its own (True), or
