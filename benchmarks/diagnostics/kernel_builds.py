@@ -1,13 +1,12 @@
 #!/usr/bin/env python
 """The package's Triton kernels built for a GPU architecture without a GPU (`triton.compile` for a target, as a
 CPU machine with Triton can): whether each builds, its SASS instruction count (static, not a speed), the
-registers a thread takes and its stack (spills among it), its shared memory, and whether its products run on wgmma and its loads are staged asynchronously. For the attention
-kernels at the handout step's launch (packed, blocks of 16, head size 32, dropout 0.1), their dropout taking four
-uniforms from each Philox evaluation and eight, and with eight under caps on the registers a thread may take
-(`REGISTER_CAPS`); for the residual + dropout
-+ LayerNorm kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized
-output), their dropout drawn one Philox evaluation per four elements and per element, or stored by the forward
-kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor
+registers a thread takes and its stack (spills among it), its shared memory, and whether its products run on wgmma
+and its loads are staged asynchronously. For the attention kernels at the handout step's launch (packed, blocks of
+16, head size 32, dropout 0.1), their dropout taking four uniforms from each Philox evaluation and eight, and with
+eight under caps on the registers a thread may take (`REGISTER_CAPS`); for the residual + dropout + LayerNorm
+kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized output), their
+dropout drawn one Philox evaluation per four elements and per element, or stored by the forward kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor
 update's AdamW kernel. A table is printed last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
