@@ -6,8 +6,9 @@ and its loads are staged asynchronously. For the attention kernels at the handou
 16, head size 32, dropout 0.1), their dropout taking four uniforms from each Philox evaluation and eight, and with
 eight under caps on the registers a thread may take (`REGISTER_CAPS`); for the residual + dropout + LayerNorm
 kernels at the handout's width under autocast (fp32 residual stream, bf16 branch and normalized output), their
-dropout drawn one Philox evaluation per four elements and per element, or stored by the forward kernel; for the dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor
-update's AdamW kernel. A table is printed last.
+dropout drawn one Philox evaluation per four elements and per element, or stored by the forward kernel; for the
+dropout-mask kernel (eight elements per evaluation) with four warps and eight; for the multi-tensor update's AdamW
+kernel. A table is printed last.
 
     pip install -e ".[triton]" && python benchmarks/diagnostics/kernel_builds.py [--arch 90]
 
