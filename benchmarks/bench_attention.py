@@ -285,12 +285,11 @@ def main():
         "backward 1 warp, ≤ 96 registers": {"BACKWARD_NUM_WARPS": {16: 1}, "BACKWARD_MAX_REGISTERS": 96},
         "library defaults again (the machine's drift)": {},
     }
-    groups["registers"] = {"registers: triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {})}
-    for name, constants in registers.items():
-        groups["registers"][f"registers: triton, {name}, lengths"] = (triton_kernel(None, lengths), inputs, constants)
-    groups["launch"] = {"launch: triton, library defaults, lengths": (triton_kernel(None, lengths), inputs, {})}
-    for name, constants in launches.items():
-        groups["launch"][f"launch: triton, {name}, lengths"] = (triton_kernel(None, lengths), inputs, constants)
+    for group, settings in (("launch", launches), ("registers", registers)):  # each after the library's defaults
+        groups[group] = {
+            f"{group}: triton, {name}, lengths": (triton_kernel(None, lengths), inputs, constants)
+            for name, constants in {"library defaults": {}, **settings}.items()
+        }
     synthesizer_inputs = [inputs[0], table, inputs[2]]
     groups["synthesizer"] = {
         "synthesizer: sdpa fp32, bias in the mask": (sdpa_fp32_with_bias(bias), synthesizer_inputs, {}),
