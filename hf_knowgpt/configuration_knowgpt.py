@@ -26,6 +26,11 @@ class KnowGPTConfig(PretrainedConfig):
             half-precision model): "float32" (default), "float16", "bfloat16" or None (the inputs' own).
             With the kernel in bf16 or fp16 the handouts' recipe diverges in bf16 at its learning rate of
             6e-3; in fp32 it trains like fp32 (benchmarks/diagnostics/precision_study.py). Nothing changes in fp32.
+        residual_in_fp32 (`bool`): True (default): the residual stream (the embeddings' sum and each block's
+            output) keeps the embeddings' dtype, fp32 under bf16/fp16 autocast too, as autocast leaves it. False:
+            under autocast the stream runs in autocast's dtype, which halves the bytes of the LayerNorms, residual
+            sums and dropouts that read and write it; the LayerNorms still compute in fp32. Nothing changes
+            without autocast.
         recitation_length (`int`): 0 (default): a question is answered at once, `question⁇answer⁇`. Above 0
             the model first recites what it read about the person, up to this many characters of their
             document, and answers after it: `question⁇recitation⁇answer⁇` (the birthplace-qa pipeline and
@@ -64,6 +69,7 @@ class KnowGPTConfig(PretrainedConfig):
     initializer_range: float = 0.02
     layer_norm_epsilon: float = 1e-5
     attention_kernel_dtype: str | None = "float32"
+    residual_in_fp32: bool = True
     recitation_length: int = 0
     future_tokens: int = 0
     future_token_spacing: int = 1
@@ -111,6 +117,8 @@ class KnowGPTConfig(PretrainedConfig):
                 f"KnowGPTConfig.attention_kernel_dtype must be one of {list(ATTENTION_KERNEL_DTYPES)}, "
                 f"got {self.attention_kernel_dtype!r}"
             )
+        if not isinstance(self.residual_in_fp32, bool):
+            raise ValueError(f"KnowGPTConfig.residual_in_fp32 must be true or false, got {self.residual_in_fp32!r}")
         if (
             isinstance(self.recitation_length, bool)
             or not isinstance(self.recitation_length, int)

@@ -1,4 +1,5 @@
-"""Layers that KnowGPT's attention and its blocks share: the dropout that is cheap on a CPU (`KnowGPTDropout`),
+"""Layers that KnowGPT's attention and its blocks share: the token and position embeddings whose gradient is one
+matrix product on a GPU (`KnowGPTEmbedding`), the dropout that is cheap on a CPU (`KnowGPTDropout`),
 linear layers (`linear`), those of one input run as one matrix product (`project`), the MLP's two layers and
 activation (`mlp`), a residual sum with the LayerNorm after it in one fused kernel (`residual_layer_norm`), and
 the causal-LM loss (`causal_lm_loss`)."""
@@ -6,6 +7,50 @@ the causal-LM loss (`causal_lm_loss`)."""
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+class _RowsWithMatrixProductGradient(torch.autograd.Function):
+    """weight[ids], whose gradient is one matrix product: one_hot(ids)ᵀ · grad."""
+
+    @staticmethod
+    def forward(ctx, weight, ids):
+        ctx.save_for_backward(ids)
+        ctx.num_rows = weight.shape[0]
+        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        ids = ids.reshape(1, -1)
+        one_hot_rows = grad.new_zeros(ctx.num_rows, ids.shape[1]).scatter_(0, ids, 1.0)  # (rows, tokens)
+        return one_hot_rows @ grad, None
+
+
+class KnowGPTEmbedding(nn.Embedding):
+    """`nn.Embedding` whose weight gradient, when training on a GPU, is one matrix product (the one-hot
+    rows of the ids, transposed, times the incoming gradient) instead of PyTorch's sort of the ids and
+    segmented sums: with a vocabulary of a few hundred characters the product is small, and the sort and
+    sums took 6% of an uncompiled training step's device time (H100, benchmarks/RESULTS.md). The product
+    also adds in a fixed order, so a seeded run repeats. In fp32 it follows the trainer's TF32 setting, as
+    every fp32 matrix product of training does. Elsewhere (a CPU, evaluation, no gradient, under
+    torch.compile, padding_idx, max_norm or sparse gradients) it is `nn.Embedding`.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if (
+            self.training
+            and input.is_cuda
+            and not torch.compiler.is_compiling()  # inductor generates its own gradient kernel
+            and torch.is_grad_enabled()
+            and self.weight.requires_grad
+            and self.padding_idx is None
+            and self.max_norm is None
+            and not self.sparse
+            and not self.scale_grad_by_freq
+        ):
+            return _RowsWithMatrixProductGradient.apply(self.weight, input)
+        return super().forward(input)
 
 
 class KnowGPTDropout(nn.Dropout):

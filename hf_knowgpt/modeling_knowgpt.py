@@ -38,7 +38,14 @@ from .attention_knowgpt import (
     TokenGrid,
 )
 from .configuration_knowgpt import KnowGPTConfig
-from .layers_knowgpt import KnowGPTDropout, causal_lm_loss, mlp, residual_dropout_masks, residual_layer_norm
+from .layers_knowgpt import (
+    KnowGPTDropout,
+    KnowGPTEmbedding,
+    causal_lm_loss,
+    mlp,
+    residual_dropout_masks,
+    residual_layer_norm,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -211,50 +218,6 @@ class KnowGPTPreTrainedModel(PreTrainedModel):
             init.xavier_uniform_(module.C)
 
 
-class _RowsWithMatrixProductGradient(torch.autograd.Function):
-    """weight[ids], whose gradient is one matrix product: one_hot(ids)ᵀ · grad."""
-
-    @staticmethod
-    def forward(ctx, weight, ids):
-        ctx.save_for_backward(ids)
-        ctx.num_rows = weight.shape[0]
-        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, weight.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (ids,) = ctx.saved_tensors
-        grad = grad.reshape(-1, grad.shape[-1])
-        ids = ids.reshape(1, -1)
-        one_hot_rows = grad.new_zeros(ctx.num_rows, ids.shape[1]).scatter_(0, ids, 1.0)  # (rows, tokens)
-        return one_hot_rows @ grad, None
-
-
-class KnowGPTEmbedding(nn.Embedding):
-    """`nn.Embedding` whose weight gradient, when training on a GPU, is one matrix product (the one-hot
-    rows of the ids, transposed, times the incoming gradient) instead of PyTorch's sort of the ids and
-    segmented sums: with a vocabulary of a few hundred characters the product is small, and the sort and
-    sums took 6% of an uncompiled training step's device time (H100, benchmarks/RESULTS.md). The product
-    also adds in a fixed order, so a seeded run repeats. In fp32 it follows the trainer's TF32 setting, as
-    every fp32 matrix product of training does. Elsewhere (a CPU, evaluation, no gradient, under
-    torch.compile, padding_idx, max_norm or sparse gradients) it is `nn.Embedding`.
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (
-            self.training
-            and input.is_cuda
-            and not torch.compiler.is_compiling()  # inductor generates its own gradient kernel
-            and torch.is_grad_enabled()
-            and self.weight.requires_grad
-            and self.padding_idx is None
-            and self.max_norm is None
-            and not self.sparse
-            and not self.scale_grad_by_freq
-        ):
-            return _RowsWithMatrixProductGradient.apply(self.weight, input)
-        return super().forward(input)
-
-
 class KnowGPTModel(KnowGPTPreTrainedModel):
     """The KnowGPT backbone: embeddings, blocks and final LayerNorm; returns the last hidden states.
 
@@ -378,6 +341,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         if self.pos_emb is not None:
             positions = context.query_positions.expand(batch_size, seq_len)
             hidden_states = hidden_states + self.pos_emb(grid.from_grid(positions))
+        hidden_states = self._in_stream_dtype(hidden_states)
         if stream_training and not context.fused_layers:
             branches = (dropout for block in self.blocks for dropout in (block.attn.resid_dropout, block.mlp.dropout))
             context.dropout_masks = residual_dropout_masks([self.drop, *branches], hidden_states)
@@ -407,6 +371,14 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
             attentions=tuple(attentions) if output_attentions else None,
         )
         return output if return_dict else output.to_tuple()
+
+    def _in_stream_dtype(self, states: torch.Tensor) -> torch.Tensor:
+        """`states` as the residual stream carries them: in autocast's dtype where it is on and the config's
+        `residual_in_fp32` is off, else as they are."""
+        device_type = states.device.type
+        if self.config.residual_in_fp32 or not torch.is_autocast_enabled(device_type):
+            return states
+        return states.to(torch.get_autocast_dtype(device_type))
 
     def _attention_context(self, device, batch_size, seq_len, past_length, attention_mask, position_ids):
         """Each token's order (its index among its row's real tokens: what a key's visibility follows) and
@@ -448,6 +420,7 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
         latent_positions = torch.arange(n_latents, device=input_states.device)[None]
         down_visible = context.visibility(query_order=latent_positions)
         latents, weights = down(input_key, input_value, down_visible, implementation=context.implementation)
+        latents = self._in_stream_dtype(latents)
         states, attentions = [latents], [weights]
         latent_context = AttentionContext(
             latent_positions, latent_positions, None, causal_only=True, implementation=context.implementation

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
-from hf_knowgpt.modeling_knowgpt import KnowGPTEmbedding, _RowsWithMatrixProductGradient
+from hf_knowgpt.layers_knowgpt import KnowGPTEmbedding, _RowsWithMatrixProductGradient
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

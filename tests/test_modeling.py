@@ -272,6 +272,33 @@ def test_attention_kernel_dtype_under_bf16_autocast(attention_type, monkeypatch)
         tiny_config(attention_type, attention_kernel_dtype="fp32")
 
 
+@pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
+def test_residual_in_fp32_off_runs_the_stream_in_autocast_dtype(attention_type):
+    ids = random_ids(2, 10)
+    reference = make_model(attention_type)(ids, output_hidden_states=True)
+    gradients = {}
+    for residual_in_fp32, stream_dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        model = make_model(attention_type, residual_in_fp32=residual_in_fp32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(ids, output_hidden_states=True)
+        # every state the blocks pass along (the last is the final LayerNorm's output)
+        assert {states.dtype for states in output.hidden_states[:-1]} == {stream_dtype}, residual_in_fp32
+        assert torch.allclose(output.logits.float(), reference.logits, atol=0.1)
+        model.train()
+        torch.manual_seed(3)  # the same dropout masks for both streams
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        gradients[residual_in_fp32] = torch.cat([parameter.grad.flatten() for parameter in model.parameters()])
+    assert gradients[False].isfinite().all()
+    torch.testing.assert_close(gradients[False], gradients[True], rtol=0.1, atol=2e-3)
+    # without autocast the setting changes nothing
+    logits = make_model(attention_type, residual_in_fp32=False)(ids).logits
+    assert torch.equal(logits, reference.logits)
+    with pytest.raises(ValueError, match="residual_in_fp32 must be true or false"):
+        tiny_config(attention_type, residual_in_fp32="no")
+
+
 def test_sequences_longer_than_block_size_are_rejected():
     model = make_model("vanilla")
     with pytest.raises(ValueError, match="block_size=24"):

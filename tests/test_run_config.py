@@ -160,6 +160,7 @@ SINGLE_STAGE_FLAGS = [
     ("handout", ["--resid_pdrop", "0.2"], {"model.resid_pdrop": 0.2}),
     ("handout", ["--attn_pdrop", "0"], {"model.attn_pdrop": 0.0}),
     ("handout", ["--attention_kernel_dtype", "bfloat16"], {"model.attention_kernel_dtype": "bfloat16"}),
+    ("handout", ["--no_residual_in_fp32"], {"model.residual_in_fp32": False}),
     ("handout", ["--recitation_length", "20"], {"model.recitation_length": 20}),
     ("handout", ["--max_epochs", "3"], {"S.max_epochs": 3}),
     ("handout", ["--num_train_epochs", "3"], {"S.max_epochs": 3}),

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.bench_attention import graphed_ms  # noqa: E402
 from hf_knowgpt.kernels import use_training_matmul_settings  # noqa: E402
-from hf_knowgpt.modeling_knowgpt import _RowsWithMatrixProductGradient  # noqa: E402
+from hf_knowgpt.layers_knowgpt import _RowsWithMatrixProductGradient  # noqa: E402
 
 TOKENS, WIDTH, REPLAYS = 7680, 256, 200
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hf_knowgpt import modeling_knowgpt
+from hf_knowgpt import layers_knowgpt
 from hf_knowgpt.commands import cli, train
 from hf_knowgpt.training import fast_path
 
@@ -65,7 +65,7 @@ fast_path.GraphedStepper.run = measured_run
 if __name__ == "__main__":
     if "--nn_embedding" in sys.argv:
         sys.argv.remove("--nn_embedding")
-        modeling_knowgpt.KnowGPTEmbedding.forward = torch.nn.Embedding.forward
+        layers_knowgpt.KnowGPTEmbedding.forward = torch.nn.Embedding.forward
         print("[graphed step] embeddings as nn.Embedding", flush=True)
     sys.argv = ["train.py", *sys.argv[1:]]
     try:

@@ -69,7 +69,8 @@ over all the tokens at once, where the model sums 256 at a time and then those s
 autograd's sums instead of the column-sum kernel (`bias-gradient-by-autograd`, `layers_knowgpt.BIAS_GRADIENT_KERNEL`); the
 linear layers' weight gradients as products written in fp32 instead of bf16 products cast to fp32
 (`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
-other way); every residual sum with its dropout and the LayerNorm after it as the package's Triton kernel each
+other way); the residual stream in fp32 under autocast (`residual-in-fp32`: `--residual_in_fp32`) or in autocast's
+dtype (`residual-in-autocast-dtype`: `--no_residual_in_fp32`, `KnowGPTConfig.residual_in_fp32`); every residual sum with its dropout and the LayerNorm after it as the package's Triton kernel each
 way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
 forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`), its backward
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
@@ -188,6 +189,8 @@ VARIANTS = {
     # GELU's gradient from one exponential (layers_knowgpt.gelu_slope) instead of libdevice's erf and exp
     "gelu-gradient-one-exp": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": True}},
     "gelu-gradient-by-autograd": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": False}},
+    "residual-in-fp32": {"flags": ["--residual_in_fp32"]},  # KnowGPTConfig.residual_in_fp32
+    "residual-in-autocast-dtype": {"flags": ["--no_residual_in_fp32"]},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
     "fused-layers-mask-stored": {"flags": ["--fused_layers"], "fused_layers": {"RESIDUAL_MASK_STORED": True}},
     "fused-layers-sums-at-end": {"flags": ["--fused_layers"], "fused_layers": {"COLUMN_SUMS_AT_END": True}},

@@ -89,6 +89,13 @@ def add_model_arguments(parser: argparse.ArgumentParser):
         choices=[d for d in ATTENTION_KERNEL_DTYPES if d],
         help="precision of the attention kernel under bf16/fp16 autocast (float32)",
     )
+    group.add_argument(
+        "--residual_in_fp32",
+        dest="model.residual_in_fp32",
+        action=BooleanFlag,
+        help="keep the residual stream in fp32 under bf16/fp16 autocast (on); --no_residual_in_fp32 runs it in "
+        "autocast's dtype",
+    )
     _value(
         group, "--recitation_length", "model.recitation_length", "answer after reciting up to this many characters "
         "of the person's document: question⁇recitation⁇answer⁇ (0: answer at once)", type=int,

@@ -38,6 +38,7 @@ MODEL_FIELDS = (
     "resid_pdrop",
     "attn_pdrop",
     "attention_kernel_dtype",
+    "residual_in_fp32",
     "recitation_length",
     "future_tokens",
     "future_token_spacing",
