@@ -590,24 +590,26 @@ def test_captured_steps_update_with_the_multi_tensor_kernels_as_with_torchs_adam
 
 @pytest.mark.skipif(not fused_attention_available(), reason="the fused kernel needs Triton and a CUDA device")
 @pytest.mark.parametrize(
-    "attention_type, fused_layers, stacked_inputs",
-    [("vanilla", False, False), ("rope", False, False), ("synthesizer", False, False), ("perceiver", False, False),
-     ("vanilla", True, False), ("vanilla", False, True), ("rope", False, True)],
+    "attention_type, fused_layers, stacked_inputs, residual_in_fp32",
+    [("vanilla", False, False, True), ("rope", False, False, True), ("synthesizer", False, False, True),
+     ("perceiver", False, False, True), ("vanilla", True, False, True), ("vanilla", False, True, True),
+     ("rope", False, True, True), ("vanilla", False, False, False), ("vanilla", True, False, False)],
 )  # fmt: skip
 def test_compiled_bf16_steps_follow_the_uncompiled_ones(
-    pretraining_data, tmp_path, attention_type, fused_layers, stacked_inputs, monkeypatch
+    pretraining_data, tmp_path, attention_type, fused_layers, stacked_inputs, residual_in_fp32, monkeypatch
 ):
     """torch.compile changes rounding, not the function: under bf16 with the fused kernel, the compiled body's
     losses follow the uncompiled body's step by step, with the residual LayerNorm kernels too (`fused_layers`:
-    one trace for every token count all the same), and with the attention's three inputs handed over as one
-    (`STACKED_ATTENTION_INPUTS`). (At these small sizes it passed on an H100 while the
+    one trace for every token count all the same), with the attention's three inputs handed over as one
+    (`STACKED_ATTENTION_INPUTS`), and with the residual stream in bf16 (`residual_in_fp32` off). (At these small sizes it passed on an H100 while the
     handouts' perceiver trained wrongly when compiled, because two kernel arguments shared memory: it does
     not catch that fault; `test_no_written_kernel_argument_shares_memory_with_another` does.)"""
     monkeypatch.setattr(attention_knowgpt, "STACKED_ATTENTION_INPUTS", stacked_inputs)
     tokenizer, data = pretraining_data
     torch.manual_seed(0)
     config = tiny_config(attention_type, vocab_size=len(tokenizer), block_size=BLOCK, n_layer=4, n_head=2,
-                         n_embd=64, bottleneck_dim=16, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                         n_embd=64, bottleneck_dim=16, embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.0,
+                         residual_in_fp32=residual_in_fp32)  # fmt: skip
     reference = KnowGPTForCausalLM(config).cuda()
     losses = {}
     for compiled in (False, True):
