@@ -204,12 +204,14 @@ WEIGHT_GRADIENT_IN_FP32 = True
 NARROW_BIAS_SUMS_TOGETHER = True
 
 
-def _low_precision_autocast(states: torch.Tensor) -> bool:
+def autocast_dtype(states: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs on `states`' device, or None where it is off."""
     device_type = states.device.type
-    return torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) in (
-        torch.bfloat16,
-        torch.float16,
-    )
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _low_precision_autocast(states: torch.Tensor) -> bool:
+    return autocast_dtype(states) in (torch.bfloat16, torch.float16)
 
 
 def _linear_function(states: torch.Tensor, trained: torch.Tensor):
@@ -363,10 +365,8 @@ def residual_layer_norm(states, branch, branch_layer: nn.Module, norm: nn.LayerN
     """(states + dropout(branch), norm of that sum) by the fused kernel (`KnowGPTModel.fused_layers`, training
     only), the bias of the branch's last layer added there where its product left it out (`branch_bias`); the
     normalized states in autocast's dtype where it is on (what the next layer's product takes), else the sum's."""
-    device_type = states.device.type
-    low = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     return _fused_layers().fused_residual_layer_norm(
-        states, branch, norm.weight, norm.bias, norm.eps, dropout_p, True, normalized_dtype=low,
+        states, branch, norm.weight, norm.bias, norm.eps, dropout_p, True, normalized_dtype=autocast_dtype(states),
         branch_bias=branch_bias(branch_layer),
     )  # fmt: skip
 

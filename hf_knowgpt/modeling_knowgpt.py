@@ -41,6 +41,7 @@ from .configuration_knowgpt import KnowGPTConfig
 from .layers_knowgpt import (
     KnowGPTDropout,
     KnowGPTEmbedding,
+    autocast_dtype,
     causal_lm_loss,
     mlp,
     residual_dropout_masks,
@@ -375,10 +376,8 @@ class KnowGPTModel(KnowGPTPreTrainedModel):
     def _in_stream_dtype(self, states: torch.Tensor) -> torch.Tensor:
         """`states` as the residual stream carries them: in autocast's dtype where it is on and the config's
         `residual_in_fp32` is off, else as they are."""
-        device_type = states.device.type
-        if self.config.residual_in_fp32 or not torch.is_autocast_enabled(device_type):
-            return states
-        return states.to(torch.get_autocast_dtype(device_type))
+        dtype = autocast_dtype(states)
+        return states if self.config.residual_in_fp32 or dtype is None else states.to(dtype)
 
     def _attention_context(self, device, batch_size, seq_len, past_length, attention_mask, position_ids):
         """Each token's order (its index among its row's real tokens: what a key's visibility follows) and

@@ -71,7 +71,8 @@ linear layers' weight gradients as products written in fp32 instead of bf16 prod
 (`fp32-weight-gradients`, `layers_knowgpt.WEIGHT_GRADIENT_IN_FP32`, as it is now; `weight-gradients-by-autograd` the
 other way); the residual stream in fp32 under autocast (`residual-in-fp32`: `--residual_in_fp32`) or in autocast's
 dtype (`residual-in-autocast-dtype`: `--no_residual_in_fp32`, `KnowGPTConfig.residual_in_fp32`); every residual sum
-with its dropout and the LayerNorm after it as the package's Triton kernel each way instead of inductor's (`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
+with its dropout and the LayerNorm after it as the package's Triton kernel each way instead of inductor's
+(`fused-layers`: it adds `--fused_layers` to the command), its dropout mask stored by the
 forward kernel for the backward one (`fused-layers-mask-stored`, `fused_layers.RESIDUAL_MASK_STORED`), its backward
 kernel's column sums kept per row until its last tile (`fused-layers-sums-at-end`, `fused_layers.COLUMN_SUMS_AT_END`), that with
 tiles of 1024 elements and 2 backward programs per multiprocessor (`fused-layers-sums-at-end-1024-2`); each
