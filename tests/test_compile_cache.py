@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 
+import pytest
 import torch
 
 from hf_knowgpt.training import compile_cache
@@ -203,6 +204,60 @@ def test_a_function_that_cannot_compile_whole_compiles_the_default_way(tmp_path,
     assert "breaks could not be compiled whole" in caplog.text and compiled.fallback is not None
     assert not compiled.entries and not compile_cache.save_functions(tmp_path / "f.functions", [compiled])
     assert not (tmp_path / "f.functions").exists()
+
+
+class _FailingEntry:
+    """A compiled entry whose guards hold and whose call raises from its `failing_call`-th call on."""
+
+    def __init__(self, failing_call=1):
+        self.calls, self.failing_call = 0, failing_call
+
+    def guard_check(self, *args, **kwargs):
+        return True
+
+    def __call__(self, x):
+        self.calls += 1
+        if self.calls >= self.failing_call:
+            raise IndexError("list index out of range")
+        return torch.sin(x)
+
+
+def test_an_entry_that_fails_its_first_call_is_dropped_and_the_function_runs_uncompiled(tmp_path, caplog):
+    calls = []
+
+    def sine(x):
+        calls.append(x)
+        return torch.sin(x)
+
+    entry = _FailingEntry()
+    compiled = compile_cache.PrecompiledFunction(sine, "sine")
+    compiled._compile = lambda args, kwargs: entry
+    x = torch.linspace(0, 1, 5)
+    assert torch.equal(compiled(x), torch.sin(x)) and len(calls) == 1
+    assert "sine's compiled code failed on its first call (IndexError: list index out of range)" in caplog.text
+    assert compiled.runs_uncompiled and not compiled.entries and entry.calls == 1
+    assert torch.equal(compiled(2 * x), torch.sin(2 * x)) and len(calls) == 2 and entry.calls == 1
+    assert not compile_cache.save_functions(tmp_path / "f.functions", [compiled])  # nothing compiled to keep
+
+
+def test_an_error_of_the_function_itself_is_raised_again_by_its_uncompiled_call():
+    def rejects(x):
+        raise ValueError("x must be positive")
+
+    compiled = compile_cache.PrecompiledFunction(rejects, "rejects")
+    compiled._compile = lambda args, kwargs: _FailingEntry()
+    with pytest.raises(ValueError, match="x must be positive"):
+        compiled(torch.zeros(2))
+
+
+def test_an_entry_that_ran_once_raises_its_later_errors():
+    entry = _FailingEntry(failing_call=2)
+    compiled = compile_cache.PrecompiledFunction(torch.sin, "sine")
+    compiled._compile = lambda args, kwargs: entry
+    assert torch.equal(compiled(torch.zeros(2)), torch.zeros(2))
+    with pytest.raises(IndexError):
+        compiled(torch.zeros(2))
+    assert compiled.entries == [entry] and not compiled.runs_uncompiled
 
 
 class _ScaledDropout(torch.nn.Module):

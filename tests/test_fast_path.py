@@ -540,6 +540,49 @@ def test_captured_graphs_replay_the_uncaptured_step_exactly(
         assert torch.allclose(a, b, atol=1e-5), name
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_compiled_step_whose_first_call_fails_trains_uncompiled(pretraining_data, tmp_path, monkeypatch, caplog):
+    """The model's compiled step raising on its first call (as torch 2.11's did for the synthesizer, IndexError in
+    inductor's `copy_misaligned_inputs`): the stepper captures the uncompiled step instead, trains as the
+    uncompiled stepper does, and reports itself uncompiled."""
+    from hf_knowgpt.training import compile_cache
+
+    class FailingEntry:
+        def guard_check(self, *args, **kwargs):
+            return True
+
+        def __call__(self, *args, **kwargs):
+            raise IndexError("list index out of range")
+
+    compile_whole = compile_cache.PrecompiledFunction._compile
+    monkeypatch.setattr(
+        compile_cache.PrecompiledFunction, "_compile",
+        lambda self, args, kwargs: FailingEntry() if self.name == "model" else compile_whole(self, args, kwargs),
+    )  # fmt: skip
+    monkeypatch.setenv("KNOWGPT_COMPILE_CACHE", str(tmp_path / "compiled"))
+    tokenizer, data = pretraining_data
+    model = fresh_model(len(tokenizer)).cuda()  # no dropout: both runs are deterministic
+    reference = copy.deepcopy(model)
+    steppers = []
+    for module, compiled in ((model, True), (reference, False)):
+        args = TrainingArguments(output_dir=str(tmp_path / str(compiled)), max_epochs=2, batch_size=16,
+                                 training_path="graphed", compile=compiled)  # fmt: skip
+        trainer = KnowGPTTrainer(module, data, args)
+        trainer.data.to("cuda")
+        trainer.optimizer = trainer._make_optimizer(graphed=True)
+        steppers.append(GraphedStepper(trainer, compile_model=compiled, packed=True, bucket=64))
+    fallen_back, uncompiled = steppers
+    steps = fallen_back.steps_per_epoch + 2
+    for stepper in steppers:
+        stepper.run(0, steps, lambda: False)
+    torch.cuda.synchronize()
+    assert "model's compiled code failed on its first call (IndexError" in caplog.text
+    assert fallen_back.compile_requested and not fallen_back.compiled and len(fallen_back.graphs) >= 2
+    assert abs(fallen_back.take_loss().item() - uncompiled.take_loss().item()) < 1e-4
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
 @pytest.mark.skipif(not fused_attention_available(), reason="the multi-tensor update needs Triton and a CUDA device")
 @pytest.mark.parametrize("compiled", [False, True], ids=["uncompiled", "compiled"])
 def test_captured_steps_update_with_the_multi_tensor_kernels_as_with_torchs_adamw(

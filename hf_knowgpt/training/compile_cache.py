@@ -282,6 +282,13 @@ class PrecompiledFunction:
     `dynamic_arguments` ({position: dimension}) names the sizes compiled as symbols (`torch._dynamo.mark_dynamic`)
     on a copy of the argument, never on the caller's tensor: an entry loaded from a file takes only unmarked
     tensors (its guards are rebuilt without the marking), one compiled here takes either.
+
+    An entry that raises on its first call in this process is dropped, with a warning, and that call and every
+    later one run `function` uncompiled (`runs_uncompiled`): an error of `function` itself is raised again
+    there, and one of the compiled code costs speed, not the run. Torch 2.11's entry of the synthesizer's step
+    raised IndexError in inductor's `copy_misaligned_inputs` on its first call in some runs on an H100
+    (benchmarks/RESULTS.md). A first call while a CUDA graph is being captured is not retried: the capture
+    has failed by then.
     """
 
     def __init__(self, function, name: str, dynamic=None, options=None, dynamic_arguments: dict | None = None):
@@ -289,14 +296,35 @@ class PrecompiledFunction:
         self.dynamic, self.options = dynamic, options
         self.dynamic_arguments = dynamic_arguments or {}
         self.entries = []
+        self.called = set()  # ids of the entries called in this process
         self.compiled_anew = False  # an entry compiled in this process (not loaded)
-        self.fallback = None  # the default torch.compile, once compiling whole failed
+        self.fallback = None  # the default torch.compile once compiling whole failed; `function` once an entry did
+
+    @property
+    def runs_uncompiled(self) -> bool:
+        return self.fallback is self.function
+
+    def _call_entry(self, entry, args, kwargs):
+        if id(entry) in self.called or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return entry(*args, **kwargs)
+        try:
+            result = entry(*args, **kwargs)
+        except Exception as error:
+            logger.warning(
+                "%s's compiled code failed on its first call (%s: %s); it runs uncompiled in this process",
+                self.name, type(error).__name__, _first_line(error),
+            )  # fmt: skip
+            self.entries.remove(entry)
+            self.fallback = self.function
+            return self.function(*args, **kwargs)
+        self.called.add(id(entry))
+        return result
 
     def __call__(self, *args, **kwargs):
         if self.fallback is None:
             for entry in self.entries:
                 if entry.guard_check(*args, **kwargs):
-                    return entry(*args, **kwargs)
+                    return self._call_entry(entry, args, kwargs)
             _allow_compile_workers()  # what was loaded does not cover this call: compile with every thread
             try:
                 entry = self._compile(args, kwargs)
@@ -309,7 +337,7 @@ class PrecompiledFunction:
             else:
                 self.entries.append(entry)
                 self.compiled_anew = True
-                return entry(*args, **kwargs)
+                return self._call_entry(entry, args, kwargs)
             for position, dimension in self.dynamic_arguments.items():
                 torch._dynamo.mark_dynamic(args[position], dimension)
         return self.fallback(*args, **kwargs)
@@ -371,7 +399,7 @@ def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
 def save_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
     """Save the entries of `functions` to `path` (written whole or not at all), where one was compiled anew in
     this process; whether it wrote."""
-    if not any(function.compiled_anew for function in functions):
+    if not any(function.compiled_anew and function.entries for function in functions):
         return False
     try:
         data = pickle.dumps({function.name: function.serialized() for function in functions if function.entries})

@@ -326,7 +326,7 @@ class GraphedStepper:
         self.pool = None
         self.capture_stream = None  # later graphs' (`LATER_GRAPHS_AFTER_THEIR_STEP`)
         self.captures = []  # {"tokens", "seconds"} of each graph captured, in order (the first compiles)
-        self.compiled = compile_model
+        self.compile_requested = compile_model
         self.model = model
         self.model_loss = functools.partial(model_loss, model)
         self.compiled_device_batch = self.compiled_clip_and_rate = None
@@ -551,6 +551,12 @@ class GraphedStepper:
         return False
 
     @property
+    def compiled(self) -> bool:
+        """Whether the model's step runs compiled: asked for, and its compiled code ran (`PrecompiledFunction`)."""
+        model_loss_function = self.precompiled[0] if self.precompiled else None  # `_compile` makes it first
+        return self.compile_requested and not (model_loss_function and model_loss_function.runs_uncompiled)
+
+    @property
     def capture_seconds(self) -> float:
         """Seconds spent capturing graphs (their warm-up steps and the first one's compilation included)."""
         return sum(capture["seconds"] for capture in self.captures)
@@ -575,7 +581,7 @@ class GraphedStepper:
 
     def save_compiled(self) -> None:
         """Keep what this run compiled for later processes (`compile_cache`); the first process only."""
-        if self.compiled and self.rank == 0:
+        if self.compile_requested and self.rank == 0:
             save_artifacts(self.artifacts)
             save_functions(functions_file(self.artifacts), self.precompiled)
 
