@@ -552,9 +552,9 @@ class GraphedStepper:
 
     @property
     def compiled(self) -> bool:
-        """Whether the model's step runs compiled: asked for, and its compiled code ran (`PrecompiledFunction`)."""
-        model_loss_function = self.precompiled[0] if self.precompiled else None  # `_compile` makes it first
-        return self.compile_requested and not (model_loss_function and model_loss_function.runs_uncompiled)
+        """Whether the step runs compiled: asked for, and no compiled part fell back to running uncompiled
+        (`PrecompiledFunction.runs_uncompiled`)."""
+        return self.compile_requested and not any(function.runs_uncompiled for function in self.precompiled)
 
     @property
     def capture_seconds(self) -> float:
