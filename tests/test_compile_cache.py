@@ -3,6 +3,7 @@ whose compiler caches are empty loads it and finds every graph in the caches; a 
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -258,6 +259,39 @@ def test_an_entry_that_ran_once_raises_its_later_errors():
     with pytest.raises(IndexError):
         compiled(torch.zeros(2))
     assert compiled.entries == [entry] and not compiled.runs_uncompiled
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def _doubled_sum(x):
+    return _Doubled.apply(x).sum()
+
+
+def _tripled_sum(x):
+    return (1.5 * _Doubled.apply(x)).sum()
+
+
+def test_seeded_processes_compiling_other_functions_each_run_their_own(tmp_path, monkeypatch):
+    """A graph with an autograd.Function cannot be hashed, and `aot_compile` keys its AOTAutograd cache entry by
+    `random.random()`: two functions compiled after the same `random.seed` (two seeded runs) drew one key, and
+    the second ran the first's code (8.0 for 12.0 here, torch 2.11 and 2.13). Compiling leaves the caller's
+    Python random state as it found it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    x = torch.ones(4, requires_grad=True)
+    results = []
+    for function in (_doubled_sum, _tripled_sum):
+        random.seed(0)
+        results.append(compile_cache.PrecompiledFunction(function, function.__name__)(x).item())
+        assert random.random() == random.Random(0).random()  # the seeded stream untouched by compiling
+    assert results == [8.0, 12.0]
 
 
 class _ScaledDropout(torch.nn.Module):

@@ -19,6 +19,7 @@ loads them, inductor runs with one compile thread (`load_functions`): it would o
 compile workers for code whose kernels all come from its caches, and wait for the pool's shutdown at exit.
 """
 
+import contextlib
 import hashlib
 import inspect
 import io
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import pickle
+import random
 import tempfile
 import threading
 from pathlib import Path
@@ -269,6 +271,24 @@ def saved_steps() -> bool:
     return folder.is_dir() and any(folder.glob(f"*{FUNCTIONS_SUFFIX}"))
 
 
+@contextlib.contextmanager
+def _python_random_from_os():
+    """Python's `random` seeded from the OS inside the block, the caller's state given back after it.
+
+    For a graph it cannot hash (one calling a `torch.autograd.Function`, as the model's step does), `aot_compile`
+    keys AOTAutograd's on-disk cache entry by `random.random()`. Every seeded run seeds `random`, so two seeded
+    processes drew the same key and the second was given the first's compiled graph: of another model, it
+    raised IndexError on its first call (torch 2.11, H100), or, with the same inputs, silently ran the other
+    code (tests/test_compile_cache.py). The caller's state is given back, so compiling draws nothing from it.
+    """
+    state = random.getstate()
+    random.seed()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
 class PrecompiledFunction:
     """`function` compiled whole (no graph break) ahead of its first call, by `torch.compile(...).aot_compile`,
     so that what dynamo traced can be kept and loaded by a later process (`load`, `serialized`).
@@ -285,10 +305,9 @@ class PrecompiledFunction:
 
     An entry that raises on its first call in this process is dropped, with a warning, and that call and every
     later one run `function` uncompiled (`runs_uncompiled`): an error of `function` itself is raised again
-    there, and one of the compiled code costs speed, not the run. Torch 2.11's entry of the synthesizer's step
-    raised IndexError in inductor's `copy_misaligned_inputs` on its first call in some runs on an H100
-    (benchmarks/RESULTS.md). A first call while a CUDA graph is being captured is not retried: the capture
-    has failed by then.
+    there, and one of the compiled code costs speed, not the run (an entry handed another function's graph by
+    torch's cache raised IndexError so: `_python_random_from_os`). A first call while a CUDA graph is being
+    captured is not retried: the capture has failed by then.
     """
 
     def __init__(self, function, name: str, dynamic=None, options=None, dynamic_arguments: dict | None = None):
@@ -350,7 +369,7 @@ class PrecompiledFunction:
         # `enable_aot_compile` adds `aot_compile` (experimental). Floats are compiled as constants: dynamo makes a
         # float symbolic once it has seen another value for it in the same code (a second model with another
         # dropout rate, in one process), and then restarts its analysis, which `aot_compile` does not do.
-        with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True):
+        with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True), _python_random_from_os():
             compiler = torch.compile(self.function, fullgraph=True, dynamic=self.dynamic, options=self.options)
             entry = compiler.aot_compile((tuple(examples), kwargs))
         entry.disable_guard_check()  # `__call__` checked them
