@@ -279,11 +279,11 @@ def _tripled_sum(x):
     return (1.5 * _Doubled.apply(x)).sum()
 
 
-def test_seeded_processes_compiling_other_functions_each_run_their_own(tmp_path, monkeypatch):
+def test_functions_compiled_after_the_same_seed_each_run_their_own(tmp_path, monkeypatch):
     """A graph with an autograd.Function cannot be hashed, and `aot_compile` keys its AOTAutograd cache entry by
     `random.random()`: two functions compiled after the same `random.seed` (two seeded runs) drew one key, and
-    the second ran the first's code (8.0 for 12.0 here, torch 2.11 and 2.13). Compiling leaves the caller's
-    Python random state as it found it."""
+    the second ran the first's code (8.0 for 12.0 here, torch 2.13 on a CPU; torch 2.11's model steps on an H100).
+    Compiling leaves the caller's Python random state as it found it."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     x = torch.ones(4, requires_grad=True)
     results = []
