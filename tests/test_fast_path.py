@@ -645,9 +645,9 @@ def test_compiled_bf16_steps_follow_the_uncompiled_ones(
     losses follow the uncompiled body's step by step, with the residual LayerNorm kernels too (`fused_layers`:
     one trace for every token count all the same), with the attention's three inputs handed over as one
     (`STACKED_ATTENTION_INPUTS`), and with the residual stream in bf16 (`residual_in_fp32` off). (At these small
-    sizes it passed on an H100 while the
-    handouts' perceiver trained wrongly when compiled, because two kernel arguments shared memory: it does
-    not catch that fault; `test_no_written_kernel_argument_shares_memory_with_another` does.)"""
+    sizes it passed on an H100 while the handouts' perceiver trained wrongly when compiled, because two kernel
+    arguments shared memory: it does not catch that fault; `test_no_written_kernel_argument_shares_memory_with_another`
+    does.)"""
     monkeypatch.setattr(attention_knowgpt, "STACKED_ATTENTION_INPUTS", stacked_inputs)
     tokenizer, data = pretraining_data
     torch.manual_seed(0)
