@@ -311,40 +311,11 @@ def activate(activation: nn.Module, states: torch.Tensor) -> torch.Tensor:
     return _GeluOneExpGradient.apply(states) if applies else activation(states)
 
 
-# In a training step compiled for a CUDA device under bf16 or fp16 autocast, the MLP by
-# `hf_knowgpt.kernels.mlp_products`: GELU written by fc's product and its gradient by the backward product into the
-# hidden states, instead of a kernel of inductor's for each between cuBLAS's products. False: `linear`, `activate`.
-ACTIVATION_IN_PRODUCTS = True
-
-
-def _mlp_function(states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear):
-    """The kernel module's `mlp_with_activation_in_products` where ACTIVATION_IN_PRODUCTS applies (plain layers, the
-    exact GELU, every parameter trained, compiling for CUDA under 16-bit autocast, shapes the kernel takes), else
-    None."""
-    applies = ACTIVATION_IN_PRODUCTS and _plain(fc) and _plain(proj) and type(activation) is nn.GELU
-    applies = applies and activation.approximate == "none" and torch.is_grad_enabled()
-    applies = applies and all(parameter.requires_grad for layer in (fc, proj) for parameter in layer.parameters())
-    applies = applies and states.device.type == "cuda" and torch.compiler.is_compiling()
-    if not (applies and _low_precision_autocast(states)):
-        return None
-    try:  # the package's kernel: a checkpoint's own copy of this code runs without it
-        from hf_knowgpt.kernels.mlp_products import activation_in_products_applies, mlp_with_activation_in_products
-    except ModuleNotFoundError:
-        return None
-    applies = activation_in_products_applies(states, fc.weight, autocast_dtype(states))
-    return mlp_with_activation_in_products if applies else None
-
-
 def mlp(
     states: torch.Tensor, fc: nn.Linear, activation: nn.Module, proj: nn.Linear, leave_proj_bias_out: bool = False
 ) -> torch.Tensor:
-    """proj(activation(fc(states))), by `linear` for each layer and `activate`, or with the activation inside the
-    products (ACTIVATION_IN_PRODUCTS); `leave_proj_bias_out` as `linear`'s `leave_bias_out`."""
-    if function := _mlp_function(states, fc, activation, proj):
-        proj_bias = None if leave_proj_bias_out else proj.bias
-        proj_bias_by_kernel = NARROW_BIAS_SUMS_TOGETHER and torch.compiler.is_compiling()
-        biases_by_kernel = (BIAS_GRADIENT_KERNEL, BIAS_GRADIENT_KERNEL and proj_bias_by_kernel)
-        return function(states, fc.weight, fc.bias, proj.weight, proj_bias, biases_by_kernel, WEIGHT_GRADIENT_IN_FP32)
+    """proj(activation(fc(states))), by `linear` for each layer and `activate`; `leave_proj_bias_out` as `linear`'s
+    `leave_bias_out`."""
     # proj's bias gradient stays autograd's: the column-sum kernel did not pay at its width (n_embd).
     activated = activate(activation, linear(fc, states))
     return linear(proj, activated, bias_by_kernel=False, leave_bias_out=leave_proj_bias_out)

@@ -190,9 +190,6 @@ VARIANTS = {
     # GELU's gradient from one exponential (layers_knowgpt.gelu_slope) instead of libdevice's erf and exp
     "gelu-gradient-one-exp": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": True}},
     "gelu-gradient-by-autograd": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": False}},
-    # the MLP's GELU and its gradient inside its products (kernels.mlp_products) or kernels of inductor's between them
-    "activation-in-products": {"layers_knowgpt": {"ACTIVATION_IN_PRODUCTS": True}},
-    "activation-outside-products": {"layers_knowgpt": {"ACTIVATION_IN_PRODUCTS": False}},
     "residual-in-fp32": {"flags": ["--residual_in_fp32"]},  # KnowGPTConfig.residual_in_fp32
     "residual-in-autocast-dtype": {"flags": ["--no_residual_in_fp32"]},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
