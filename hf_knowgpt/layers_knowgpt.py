@@ -260,7 +260,7 @@ def branch_bias(layer: nn.Module) -> torch.Tensor | None:
 # (`gelu_slope`) instead of inductor's composition of libdevice's erf and a separate exp: the gradient kernel reads
 # two bf16 tensors and writes one; alone, 15.8 against 18.6 µs at the handout's MLP size, where a kernel that only
 # moves those bytes takes 15.7 (benchmarks/diagnostics/gelu_gradient.py, H100), and 0.13-0.17 s less of the
-# handout's steps in three pairs of whole runs (benchmarks/RESULTS.md). The forward stays torch's exact GELU.
+# handout's steps in three pairs of whole runs (benchmarks/RESULTS.md). The forward: GELU_FORWARD_ONE_EXP, below.
 # False: autograd's gradient (`gelu-gradient-by-autograd` in step_variants.py).
 GELU_GRADIENT_ONE_EXP = True
 GELU_GRADIENT_ONE_EXP_DEVICES = ("cuda",)
@@ -274,27 +274,48 @@ _INVERSE_SQRT_2 = 0.7071067811865476
 _INVERSE_SQRT_2PI = 0.3989422804014327
 
 
-def gelu_slope(states: torch.Tensor) -> torch.Tensor:
-    """The exact (erf) GELU's derivative Φ(x) + x·φ(x) in fp32, within 3e-7 of it (as aten's fp32 gradient is): one
-    exponential, e^{−x²/2}, serves φ and the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2} (A&S 7.1.26, above), and a
-    reciprocal gives t."""
-    x = states.float()
+def _normal_cdf_and_gaussian(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Φ(x) and e^{−x²/2} of fp32 x from one exponential: e^{−x²/2} gives the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2}
+    (A&S 7.1.26, above), and a reciprocal gives t."""
     gaussian = torch.exp2(x * x * (-0.5 * _LOG2_E))  # e^{−x²/2}
     t = torch.reciprocal(x.abs() * (_ERF_P * _INVERSE_SQRT_2) + 1)
     polynomial = 0.5 * _ERF_A[4]
     for coefficient in reversed(_ERF_A[:4]):
         polynomial = polynomial * t + 0.5 * coefficient
     tail = t * polynomial * gaussian  # 1 − Φ(|x|)
-    return torch.where(x < 0, tail, 1 - tail) + x * gaussian * _INVERSE_SQRT_2PI
+    return torch.where(x < 0, tail, 1 - tail), gaussian
+
+
+def gelu_slope(states: torch.Tensor) -> torch.Tensor:
+    """The exact (erf) GELU's derivative Φ(x) + x·φ(x) in fp32, within 3e-7 of it (as aten's fp32 gradient is), from
+    one exponential, which serves φ too."""
+    x = states.float()
+    cdf, gaussian = _normal_cdf_and_gaussian(x)
+    return cdf + x * gaussian * _INVERSE_SQRT_2PI
+
+
+def gelu_from_one_exp(states: torch.Tensor) -> torch.Tensor:
+    """The exact (erf) GELU x·Φ(x), computed in fp32 from one exponential and rounded once to the states' dtype: for
+    |x| ≤ 12 within 1e-6 of it, no further than torch's own fp32 GELU."""
+    x = states.float()
+    return (x * _normal_cdf_and_gaussian(x)[0]).to(states.dtype)
+
+
+# Where GELU_GRADIENT_ONE_EXP applies, GELU itself from one exponential too (`gelu_from_one_exp`) instead of torch's
+# erf: inductor's GELU kernel had been bound by libdevice's erf, not by its bytes (11.8 µs a layer where a copy of
+# the same bytes takes 7.0; from one exponential 8.6), and the handout's steps 0.13-0.19 s shorter in three pairs of
+# whole runs (H100, benchmarks/RESULTS.md). False: torch's GELU (`gelu-forward-by-torch` in step_variants.py).
+GELU_FORWARD_ONE_EXP = True
 
 
 class _GeluOneExpGradient(torch.autograd.Function):
-    """torch's exact GELU forward; its gradient by `gelu_slope`, rounded once to the incoming gradient's dtype."""
+    """The exact GELU, by torch or from one exponential (GELU_FORWARD_ONE_EXP); its gradient by `gelu_slope`, rounded
+    once to the incoming gradient's dtype."""
 
     @staticmethod
     def forward(ctx, states):
         ctx.save_for_backward(states)
-        return F.gelu(states)
+        return gelu_from_one_exp(states) if GELU_FORWARD_ONE_EXP else F.gelu(states)
 
     @staticmethod
     def backward(ctx, grad):
@@ -303,8 +324,9 @@ class _GeluOneExpGradient(torch.autograd.Function):
 
 
 def activate(activation: nn.Module, states: torch.Tensor) -> torch.Tensor:
-    """activation(states); the exact GELU by `_GeluOneExpGradient` where GELU_GRADIENT_ONE_EXP applies (a plain
-    exact `nn.GELU`, gradients wanted, compiling for a device of GELU_GRADIENT_ONE_EXP_DEVICES)."""
+    """activation(states); the exact GELU by `_GeluOneExpGradient` (its gradient, and with GELU_FORWARD_ONE_EXP
+    itself, from one exponential) where GELU_GRADIENT_ONE_EXP applies (a plain exact `nn.GELU`, gradients wanted,
+    compiling for a device of GELU_GRADIENT_ONE_EXP_DEVICES)."""
     applies = GELU_GRADIENT_ONE_EXP and type(activation) is nn.GELU and activation.approximate == "none"
     applies = applies and states.requires_grad and states.device.type in GELU_GRADIENT_ONE_EXP_DEVICES
     applies = applies and torch.compiler.is_compiling()

@@ -3,12 +3,18 @@
 whether a Triton product with the activation in its epilogue beats cuBLAS's product and inductor's separate kernel.
 
 In the compiled step (`results/h100_profile_handout_gelu_one_exp_2026_12_05.txt`) GELU takes 11.7 µs a layer and its
-gradient 14.0 µs, both moving the MLP's 7680 × 1024 states between products at about 3 TB/s: 0.10 of the step's
-1.19 ms. A product that applies the activation before it writes its tile (forward: h = x·W₁ᵀ + b₁ and GELU(h) both
-written; backward: dh = (dy·W₂) ∘ GELU′(h)) saves reading its own output back. Timed here, each called `CALLS` times
-back to back in one CUDA graph, replayed: the step's way (cuBLAS's product, then torch.compile's kernel), the Triton
-product alone, and the Triton product with the activation, for several tile shapes. A table of µs per call is
-printed last, with each result's largest difference from the step's way.
+gradient 14.0 µs, both moving the MLP's 7680 × 1024 states between products: 0.10 of the step's 1.19 ms. A product
+that applies the activation before it writes its tile (forward: h = x·W₁ᵀ + b₁ and GELU(h) both written; backward:
+dh = (dy·W₂) ∘ GELU′(h)) saves reading its own output back. Timed here, each called `CALLS` times back to back in one
+CUDA graph, replayed: the step's way (cuBLAS's product, then torch.compile's kernel), the Triton product alone, with
+the activation (libdevice's erf, or one exponential as `layers_knowgpt.gelu_slope`), and with the epilogue's memory
+traffic alone (the second store; the load of the states), for several tile shapes. A table of µs per call is printed
+last, with each result's largest difference from the step's way.
+
+On an H100 (2026-12-06, `results/h100_mlp_activation_products_2026_12_06.txt`) the epilogue's bytes cost less than
+the separate kernels (forward 18.4 µs against 12.4 + 11.8; backward 16.2 against 10.6 + 16.5), but its arithmetic
+does not overlap the short products (K = 256): with the activation from one exponential 24.8-27.2 µs forward and
+28.3-32.1 µs backward, no faster than the step's way; so the package keeps cuBLAS's products.
 
     python benchmarks/diagnostics/mlp_activation_products.py
 """
@@ -37,11 +43,14 @@ CONFIGS = [
 # Triton reads a global inside a kernel only as a constexpr.
 INVERSE_SQRT_2 = tl.constexpr(0.7071067811865476)
 INVERSE_SQRT_2PI = tl.constexpr(0.3989422804014327)
-
-
 ERF_P = tl.constexpr(0.3275911)
 A1, A2, A3, A4, A5 = (tl.constexpr(a) for a in (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429))
 LOG2_E = tl.constexpr(1.4426950408889634)
+# The epilogues: the product alone; its GELU (written beside it) or the product times GELU′ of given states, by
+# libdevice's erf or from one exponential; the second store alone; the product times the states loaded, no arithmetic.
+PRODUCT, GELU_ERF, GELU_GRADIENT_ERF, GELU_ONE_EXP, GELU_GRADIENT_ONE_EXP, STORED_TWICE, TIMES_LOADED = (
+    tl.constexpr(epilogue) for epilogue in range(7)
+)
 
 
 @triton.jit
@@ -63,8 +72,8 @@ def _product(
     N: tl.constexpr, K: tl.constexpr, EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """OUT = epilogue(A·B (+ bias)) for A (M, K), B (K, N) given by strides. EPILOGUE 0: the product; 1: the product
-    written to HIDDEN and its GELU to OUT; 2: the product times GELU′(HIDDEN)."""
+    """OUT = epilogue(A·B (+ bias)) for A (M, K), B (K, N) given by strides, EPILOGUE one of the module's: GELU's
+    write the product to HIDDEN and its GELU to OUT, GELU′'s multiply the product by GELU′(HIDDEN)."""
     program = tl.program_id(0)
     column_tiles = N // BLOCK_N
     rows = (program // column_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,31 +88,25 @@ def _product(
     if HAS_BIAS:
         accumulated += tl.load(BIAS + cols).to(tl.float32)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-    if EPILOGUE == 1:
+    if EPILOGUE == GELU_ERF or EPILOGUE == GELU_ONE_EXP or EPILOGUE == STORED_TWICE:
         hidden = accumulated.to(HIDDEN.dtype.element_ty)
         tl.store(HIDDEN + offsets, hidden, mask=inside[:, None])
         x = hidden.to(tl.float32)
-        accumulated = 0.5 * x * (1 + tl.erf(x * INVERSE_SQRT_2))
-    elif EPILOGUE == 5:  # GELU from one exponential
-        hidden = accumulated.to(HIDDEN.dtype.element_ty)
-        tl.store(HIDDEN + offsets, hidden, mask=inside[:, None])
-        x = hidden.to(tl.float32)
-        tail, _ = _normal_tail(x)
-        accumulated = x * tl.where(x < 0, tail, 1.0 - tail)
-    elif EPILOGUE == 6:  # GELU′ from one exponential
+        if EPILOGUE == GELU_ERF:
+            accumulated = 0.5 * x * (1 + tl.erf(x * INVERSE_SQRT_2))
+        elif EPILOGUE == GELU_ONE_EXP:
+            tail, _ = _normal_tail(x)
+            accumulated = x * tl.where(x < 0, tail, 1.0 - tail)
+    elif EPILOGUE == GELU_GRADIENT_ERF or EPILOGUE == GELU_GRADIENT_ONE_EXP:
         x = tl.load(HIDDEN + offsets, mask=inside[:, None], other=0.0).to(tl.float32)
-        tail, gaussian = _normal_tail(x)
-        slope = tl.where(x < 0, tail, 1.0 - tail) + x * gaussian * INVERSE_SQRT_2PI
+        if EPILOGUE == GELU_GRADIENT_ERF:
+            slope = 0.5 * (1 + tl.erf(x * INVERSE_SQRT_2)) + x * tl.exp(-0.5 * x * x) * INVERSE_SQRT_2PI
+        else:
+            tail, gaussian = _normal_tail(x)
+            slope = tl.where(x < 0, tail, 1.0 - tail) + x * gaussian * INVERSE_SQRT_2PI
         accumulated = accumulated.to(OUT.dtype.element_ty).to(tl.float32) * slope
-    elif EPILOGUE == 3:  # the two stores alone
-        hidden = accumulated.to(HIDDEN.dtype.element_ty)
-        tl.store(HIDDEN + offsets, hidden, mask=inside[:, None])
-    elif EPILOGUE == 4:  # the load alone
+    elif EPILOGUE == TIMES_LOADED:
         accumulated *= tl.load(HIDDEN + offsets, mask=inside[:, None], other=0.0).to(tl.float32)
-    elif EPILOGUE == 2:
-        x = tl.load(HIDDEN + offsets, mask=inside[:, None], other=0.0).to(tl.float32)
-        slope = 0.5 * (1 + tl.erf(x * INVERSE_SQRT_2)) + x * tl.exp(-0.5 * x * x) * INVERSE_SQRT_2PI
-        accumulated = accumulated.to(OUT.dtype.element_ty).to(tl.float32) * slope
     tl.store(OUT + offsets, accumulated.to(OUT.dtype.element_ty), mask=inside[:, None])
 
 
@@ -115,7 +118,7 @@ def triton_product(a, b, bias, hidden, out, epilogue, config):
     _product[grid](
         a, b, bias if bias is not None else a, hidden if hidden is not None else out, out, rows,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        N=columns, K=depth, EPILOGUE=epilogue, HAS_BIAS=bias is not None,
+        N=columns, K=depth, EPILOGUE=epilogue.value, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -176,35 +179,35 @@ def main(argv=None):
         try:
             timed(
                 f"forward, Triton product + bias {label}",
-                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, None, hidden, 0, c),
+                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, None, hidden, PRODUCT, c),
                 hidden, hidden_ref,
             )  # fmt: skip
             timed(
                 f"forward, Triton product + bias + GELU {label}",
-                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, hidden, activated, 1, c),
+                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, hidden, activated, GELU_ERF, c),
                 activated, activated_ref,
             )  # fmt: skip
             timed(
                 f"forward, Triton product + bias + GELU, one exp {label}",
-                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, hidden, activated, 5, c),
+                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, hidden, activated, GELU_ONE_EXP, c),
                 activated, activated_ref,
             )  # fmt: skip
             timed(
                 f"backward, Triton product × GELU′, one exp {label}",
-                lambda c=config: triton_product(grad_y, proj_weight, None, hidden_ref, grad_hidden, 6, c),
+                lambda c=config: triton_product(grad_y, proj_weight, None, hidden_ref, grad_hidden, GELU_GRADIENT_ONE_EXP, c),
                 grad_hidden, grad_hidden_ref,
             )  # fmt: skip
             timed(
                 f"forward, Triton product + bias, stored twice {label}",
-                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, hidden, activated, 3, c),
+                lambda c=config: triton_product(x, fc_weight.t(), fc_bias, hidden, activated, STORED_TWICE, c),
             )  # fmt: skip
             timed(
                 f"backward, Triton product × hidden {label}",
-                lambda c=config: triton_product(grad_y, proj_weight, None, hidden_ref, grad_hidden, 4, c),
+                lambda c=config: triton_product(grad_y, proj_weight, None, hidden_ref, grad_hidden, TIMES_LOADED, c),
             )  # fmt: skip
             timed(
                 f"backward, Triton product × GELU′ {label}",
-                lambda c=config: triton_product(grad_y, proj_weight, None, hidden_ref, grad_hidden, 2, c),
+                lambda c=config: triton_product(grad_y, proj_weight, None, hidden_ref, grad_hidden, GELU_GRADIENT_ERF, c),
                 grad_hidden, grad_hidden_ref,
             )  # fmt: skip
         except Exception as error:  # a tile shape that does not fit the multiprocessor's memory

@@ -43,6 +43,8 @@ residual dropouts' uniforms with ATen's kernels instead of inductor's Philox ins
 `fast-exp` has inductor's kernels take Triton's approximate exp (`use_fast_math`) instead of libdevice's;
 `gelu-gradient-one-exp` computes GELU's gradient from one exponential (`layers_knowgpt.GELU_GRADIENT_ONE_EXP`, as
 it is), `gelu-gradient-by-autograd` from libdevice's erf and exp, as autograd's `gelu_backward` is compiled;
+`gelu-forward-one-exp` computes GELU itself from one exponential where the gradient is
+(`layers_knowgpt.GELU_FORWARD_ONE_EXP`, as it is), `gelu-forward-by-torch` by torch's erf;
 `pointwise-autotune` times several block sizes for each pointwise kernel while compiling (`max_autotune_pointwise`);
 `no-combo-kernels` launches every kernel on its own instead of several independent ones in one launch, `combo-pointwise-only` leaves reductions out of those combo kernels,
 `combo-shared-blocks` gives all the kernels of a combo one set of block sizes instead of each its own (options
@@ -190,6 +192,9 @@ VARIANTS = {
     # GELU's gradient from one exponential (layers_knowgpt.gelu_slope) instead of libdevice's erf and exp
     "gelu-gradient-one-exp": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": True}},
     "gelu-gradient-by-autograd": {"layers_knowgpt": {"GELU_GRADIENT_ONE_EXP": False}},
+    # GELU itself from one exponential (layers_knowgpt.gelu_from_one_exp) or torch's erf, where the gradient is
+    "gelu-forward-one-exp": {"layers_knowgpt": {"GELU_FORWARD_ONE_EXP": True}},
+    "gelu-forward-by-torch": {"layers_knowgpt": {"GELU_FORWARD_ONE_EXP": False}},
     "residual-in-fp32": {"flags": ["--residual_in_fp32"]},  # KnowGPTConfig.residual_in_fp32
     "residual-in-autocast-dtype": {"flags": ["--no_residual_in_fp32"]},
     "fused-layers": {"flags": ["--fused_layers"]},  # KnowGPTModel.fused_layers, compiled or not
