@@ -298,7 +298,11 @@ def gelu_from_one_exp(states: torch.Tensor) -> torch.Tensor:
     """The exact (erf) GELU x·Φ(x), computed in fp32 from one exponential and rounded once to the states' dtype: for
     |x| ≤ 12 within 1e-6 of it, no further than torch's own fp32 GELU."""
     x = states.float()
-    return (x * _normal_cdf_and_gaussian(x)[0]).to(states.dtype)
+    value = x * _normal_cdf_and_gaussian(x)[0]
+    # not `.to(states.dtype)` whatever the dtype: for fp32 states that returns `value` itself, and torch 2.11's dynamo
+    # then routes the gradient of `_GeluOneExpGradient`'s output to that alias, so its input got none (fc's gradients
+    # were zero; pytorch/pytorch#180642, fixed in 2.12)
+    return value if value.dtype == states.dtype else value.to(states.dtype)
 
 
 # Where GELU_GRADIENT_ONE_EXP applies, GELU itself from one exponential too (`gelu_from_one_exp`) instead of torch's

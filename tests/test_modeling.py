@@ -595,7 +595,8 @@ def test_gelu_with_the_one_exp_gradient_is_gelu_in_bf16(monkeypatch):
 
 def test_the_one_exp_gelu_gradient_applies_only_where_it_is_asked_for(monkeypatch):
     """The MLP takes `_GeluOneExpGradient` only compiling on a listed device with GELU_GRADIENT_ONE_EXP on; its
-    gradients are then as close to fp64's as the plain model's are (within twice their error, or 1e-7)."""
+    gradients are then as close to fp64's as the plain model's are (within twice their error, or 1e-7). On torch
+    2.11 this is where fc's gradients, lost to dynamo's aliasing of the Function's output, showed (pytorch#180642)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
