@@ -148,10 +148,15 @@ def test_model_trains_alike_with_the_bias_gradient_kernel(compiled, monkeypatch)
         # 1.5e-8. A wrong gradient (a missing or transposed term) is apart by the size of the gradient itself. A
         # gradient far below the model's largest is the rounding of sums that cancel (the keys' bias: softmax
         # ignores a shift shared by every key, so its exact gradient is zero; an H200 gave 4.6e-8 at most, 7.5e-9
-        # apart), so the bound is of the model's gradients too.
+        # apart), so the bound is of the model's gradients too. Compiled without the kernel, inductor may sum a
+        # bias gradient's terms before their rounding to bf16 (it does not emulate a fused kernel's casts), where
+        # the kernel sums the rounded terms: within a bf16 unit of the largest element (an H100 gave the MLP's first
+        # bias 2.1e-5 apart where its largest element is 0.0107, 2^-9 of it).
         summed = name.endswith(("fc.bias", "attn.query.bias", "attn.key.bias", "attn.value.bias"))
         largest = max(grad.abs().max().item(), 2**-10 * overall_largest)
-        if summed or compiled:
+        if summed and compiled:
+            tolerance = dict(rtol=2**-7, atol=2**-7 * largest)
+        elif summed or compiled:
             tolerance = dict(rtol=2**-7, atol=2**-10 * largest)
         else:
             tolerance = dict(rtol=0, atol=0)

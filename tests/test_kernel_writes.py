@@ -58,11 +58,15 @@ def launches(sm90, monkeypatch):
 
 def written(kernel, arguments) -> set[str]:
     """The tensor arguments torch.compile takes `kernel` to write at this launch."""
-    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+    from torch._higher_order_ops import triton_kernel_wrap
 
     arguments = {name: arguments[name] for name in kernel.arg_names}  # a recording may hold launch options too
-    accesses = identify_accessed_tensors(kernel, arguments, {})
-    return {dep.name for dep in accesses.read_writes.writes if isinstance(arguments[dep.name], torch.Tensor)}
+    if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
+        accesses = triton_kernel_wrap.identify_accessed_tensors(kernel, arguments, {})
+        names = [dep.name for dep in accesses.read_writes.writes]
+    else:  # torch 2.11 and before: the same analysis, giving the written arguments' names alone
+        names = triton_kernel_wrap.identify_mutated_tensors(kernel, arguments, {})
+    return {name for name in names if isinstance(arguments[name], torch.Tensor)}
 
 
 def assert_writes(launches, expected):
