@@ -1,5 +1,5 @@
 """CPU smoke tests of the speed benchmark's parts: the handouts' loop it compares with, and the timeline that
-accounts for every second of a train.py process."""
+accounts for every second of a train.py process; and of the GPU test-suite runner."""
 
 import json
 import os
@@ -438,3 +438,28 @@ def test_sampled_stacks_counts_each_stack_once_toward_the_first_kind_it_matches(
     raw.write_text("main (a.py:1) ten\n", encoding="utf-8")
     with pytest.raises(SystemExit, match="line 1"):
         sampled_stacks.read_stacks(raw)
+
+
+def test_the_gpu_test_suite_reports_each_process_and_what_failed_even_when_stopped(tmp_path):
+    """Ids dealt in turn to two processes; the one still running at the limit is stopped by SIGINT and still
+    reports its failure and error, its counts, and the ids that did not run."""
+    (tmp_path / "test_dealt.py").write_text(
+        "import time\nimport pytest\n\n\n@pytest.fixture\ndef broken():\n    raise RuntimeError('set-up')\n\n\n"
+        "def test_broken(broken):\n    pass\n\n\ndef test_ok():\n    pass\n\n\ndef test_fails():\n    assert 1 == 2\n\n\n"
+        "def test_ok2():\n    pass\n\n\ndef test_slow():\n    time.sleep(60)\n\n\ndef test_after_slow():\n    pass\n"
+    )
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_test_suite.py"), "--processes", "2", "--limit", "6",
+               "--output", str(tmp_path / "logs"), "--", "."]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "6 test ids in 2 processes, 6 s each at most"
+    rows = {line.split()[0]: line.split() for line in lines[2:5]}
+    # group 0: test_broken, test_fails, test_slow (stopped in it); group 1: the three that pass
+    assert rows["0"][1:7] == ["3", "0", "1", "0", "1", "0"] and lines[2].endswith("stopped at the limit")
+    assert rows["1"][1:7] == ["3", "3", "0", "0", "0", "0"] and lines[3].endswith("exit 0")
+    assert rows["all"][1:5] == ["6", "3", "1", "0"]
+    assert "FAILED test_dealt.py::test_fails - assert 1 == 2" in lines
+    assert any(line.startswith("ERROR test_dealt.py::test_broken") for line in lines)
+    assert lines[-1].startswith("5 of 6 collected ids ran; 1 did not")
+    assert (tmp_path / "logs" / "summary.txt").read_text().splitlines() == lines[1:]
