@@ -7,6 +7,9 @@ dealt out in turn, so that each process gets a share of every file and of its sl
 
     bash benchmarks/gpu_machine.sh python3 benchmarks/gpu_test_suite.py --processes 6 --limit 480 --output $OUT
 
+The whole suite takes more than one call of the GPU machine (about 2,700 process-seconds on an H100 with torch 2.11):
+`--part 1/2` and `--part 2/2` in two calls run every id once.
+
 Anything after `--` goes to pytest's collection (files, ids, `-k`); the default is the whole of `tests`. It runs
 where it is started (the repository's root above): pytest's ids are relative to it.
 """
@@ -107,13 +110,22 @@ def main(argv=None):
     parser.add_argument("--limit", type=float, default=480, help="seconds before each process is stopped (480)")
     parser.add_argument("--output", type=Path, default=Path("suite-logs"), help="folder for each process's log")
     parser.add_argument("--compile_threads", type=int, default=2, help="TORCHINDUCTOR_COMPILE_THREADS of each (2)")
+    parser.add_argument(
+        "--part",
+        default="1/1",
+        help="K/N: only every N-th collected id from the K-th, to split the suite over N calls",
+    )
     parser.add_argument("selection", nargs="*", default=["tests"], help="after --: what pytest collects")
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error(f"--processes must be at least 1, not {args.processes}")
-    ids = collect(args.selection)
+    part = re.fullmatch(r"(\d+)/(\d+)", args.part)
+    if not part or not 1 <= int(part[1]) <= int(part[2]):
+        parser.error(f"--part takes K/N with 1 ≤ K ≤ N, not {args.part!r}")
+    ids = collect(args.selection)[int(part[1]) - 1 :: int(part[2])]
     groups = deal(ids, args.processes)
-    print(f"{len(ids)} test ids in {len(groups)} processes, {args.limit:.0f} s each at most", flush=True)
+    processes = f"{len(groups)} process" + ("es" if len(groups) > 1 else "")
+    print(f"{len(ids)} test ids in {processes}, {args.limit:.0f} s each at most", flush=True)
     runs = run_groups(groups, args.limit, args.output, args.compile_threads)
     text = report(runs, len(ids))
     (args.output / "summary.txt").write_text(text + "\n")

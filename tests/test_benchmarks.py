@@ -463,3 +463,8 @@ def test_the_gpu_test_suite_reports_each_process_and_what_failed_even_when_stopp
     assert any(line.startswith("ERROR test_dealt.py::test_broken") for line in lines)
     assert lines[-1].startswith("5 of 6 collected ids ran; 1 did not")
     assert (tmp_path / "logs" / "summary.txt").read_text().splitlines() == lines[1:]
+
+    second_half = subprocess.run(command[:2] + ["--part", "2/2", "--processes", "1", "--", "."], capture_output=True,
+                                 text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert second_half.stdout.splitlines()[0] == "3 test ids in 1 process, 480 s each at most"  # ok, ok2, after_slow
+    assert second_half.returncode == 0, second_half.stdout + second_half.stderr
