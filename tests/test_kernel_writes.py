@@ -5,8 +5,9 @@ Compiled code gives every argument that its analysis of a kernel takes for writt
 attention kernels once read their sequences' lengths and first tokens through a helper, whose results the
 analysis follows back to every argument the helper was handed: their LENGTHS and STARTS counted as written, and
 each compiled step copied them before each attention launch. The analysis here is torch's own
-(`identify_accessed_tensors`), run on each launch as the package makes it, for an sm_90 target. The copy is also
-why no argument a kernel writes may share memory with another (the attention kernels' launches are checked for it).
+(`identify_accessed_tensors`; in torch 2.11, `identify_mutated_tensors`), run on each launch as the package makes
+it, for an sm_90 target. The copy is also why no argument a kernel writes may share memory with another (the
+attention kernels' launches are checked for it).
 These need Triton, not a GPU (`pip install -e ".[triton]"`).
 """
 
@@ -64,7 +65,7 @@ def written(kernel, arguments) -> set[str]:
     if hasattr(triton_kernel_wrap, "identify_accessed_tensors"):
         accesses = triton_kernel_wrap.identify_accessed_tensors(kernel, arguments, {})
         names = [dep.name for dep in accesses.read_writes.writes]
-    else:  # torch 2.11 and before: the same analysis, giving the written arguments' names alone
+    else:  # torch 2.11: the same analysis, giving the written arguments' names alone
         names = triton_kernel_wrap.identify_mutated_tensors(kernel, arguments, {})
     return {name for name in names if isinstance(arguments[name], torch.Tensor)}
 
