@@ -301,7 +301,7 @@ def gelu_from_one_exp(states: torch.Tensor) -> torch.Tensor:
     value = x * _normal_cdf_and_gaussian(x)[0]
     # not `.to(states.dtype)` whatever the dtype: for fp32 states that returns `value` itself, and torch 2.11's dynamo
     # then routes the gradient of `_GeluOneExpGradient`'s output to that alias, so its input got none (fc's gradients
-    # were zero; pytorch/pytorch#180642, fixed in 2.12)
+    # were zero; pytorch/pytorch#180642, fixed upstream by #180921)
     return value if value.dtype == states.dtype else value.to(states.dtype)
 
 
