@@ -7,8 +7,9 @@ dealt out in turn, so that each process gets a share of every file and of its sl
 
     bash benchmarks/gpu_machine.sh python3 benchmarks/gpu_test_suite.py --processes 6 --limit 480 --output $OUT
 
-The whole suite takes more than one call of the GPU machine (about 2,700 process-seconds on an H100 with torch 2.11):
-`--part 1/2` and `--part 2/2` in two calls run every id once.
+The whole suite takes more than one call of the GPU machine (more than 3,400 process-seconds, six or seven at once on one
+H100, torch 2.11, benchmarks/results/h100_pytest_suite_torch211_2026_12_06.txt): `--part 1/2` and `--part 2/2` in two
+calls run every id once.
 
 Anything after `--` goes to pytest's collection (files, ids, `-k`); the default is the whole of `tests`. It runs
 where it is started (the repository's root above): pytest's ids are relative to it.
