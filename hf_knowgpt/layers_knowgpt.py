@@ -265,22 +265,21 @@ def branch_bias(layer: nn.Module) -> torch.Tensor | None:
 GELU_GRADIENT_ONE_EXP = True
 GELU_GRADIENT_ONE_EXP_DEVICES = ("cuda",)
 
-# Abramowitz & Stegun 7.1.26: for z ≥ 0, erf(z) = 1 − t·(a₁ + a₂t + a₃t² + a₄t³ + a₅t⁴)·e^{−z²} + ε, t = 1/(1 + p·z),
-# |ε| ≤ 1.5e-7. At z = |x|/√2, e^{−z²} is e^{−x²/2}, the exponential φ(x) needs as well.
-_ERF_P = 0.3275911
-_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
-_LOG2_E = 1.4426950408889634
-_INVERSE_SQRT_2 = 0.7071067811865476
-_INVERSE_SQRT_2PI = 0.3989422804014327
-
 
 def _normal_cdf_and_gaussian(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Φ(x) and e^{−x²/2} of fp32 x from one exponential: e^{−x²/2} gives the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2}
-    (A&S 7.1.26, above), and a reciprocal gives t."""
-    gaussian = torch.exp2(x * x * (-0.5 * _LOG2_E))  # e^{−x²/2}
-    t = torch.reciprocal(x.abs() * (_ERF_P * _INVERSE_SQRT_2) + 1)
-    polynomial = 0.5 * _ERF_A[4]
-    for coefficient in reversed(_ERF_A[:4]):
+    """Φ(x) and e^{−x²/2} of fp32 x from one exponential: e^{−x²/2} gives the tail 1 − Φ(|x|) = ½·t·P(t)·e^{−x²/2},
+    and a reciprocal gives t.
+
+    Abramowitz & Stegun 7.1.26: for z ≥ 0, erf(z) = 1 − t·(a₁ + a₂t + a₃t² + a₄t³ + a₅t⁴)·e^{−z²} + ε, t = 1/(1 + p·z),
+    |ε| ≤ 1.5e-7; at z = |x|/√2, e^{−z²} is e^{−x²/2}. Its constants are literals here, not module globals: under
+    `torch.compile(dynamic=True)` dynamo makes a float it reads from anywhere a graph input, and one first read
+    inside an autograd.Function's graph (`_GeluOneExpGradient`, once per layer) fails the next layer's ("should
+    not be called on root SubgraphTracer", torch 2.11 and 2.13; pytorch/pytorch#193194)."""
+    gaussian = torch.exp2(x * x * (-0.5 * 1.4426950408889634))  # e^{−x²/2} = 2^{−x²·log₂(e)/2}
+    t = torch.reciprocal(x.abs() * (0.3275911 * 0.7071067811865476) + 1)  # 1/(1 + p·|x|/√2)
+    a1, a2, a3, a4, a5 = 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429
+    polynomial = 0.5 * a5
+    for coefficient in (a4, a3, a2, a1):
         polynomial = polynomial * t + 0.5 * coefficient
     tail = t * polynomial * gaussian  # 1 − Φ(|x|)
     return torch.where(x < 0, tail, 1 - tail), gaussian
@@ -291,7 +290,7 @@ def gelu_slope(states: torch.Tensor) -> torch.Tensor:
     one exponential, which serves φ too."""
     x = states.float()
     cdf, gaussian = _normal_cdf_and_gaussian(x)
-    return cdf + x * gaussian * _INVERSE_SQRT_2PI
+    return cdf + x * gaussian * 0.3989422804014327  # 1/√(2π)
 
 
 def gelu_from_one_exp(states: torch.Tensor) -> torch.Tensor:

@@ -643,14 +643,18 @@ def test_the_one_exp_gelu_gradient_applies_only_where_it_is_asked_for(monkeypatc
 
 
 @pytest.mark.parametrize(
-    "device, attention_type",
-    [("cpu", "vanilla")] + [pytest.param("cuda", kind, id=f"cuda-{kind}") for kind in ATTENTION_TYPES],
+    "device, attention_type, dynamic",
+    [pytest.param("cpu", "vanilla", None, id="cpu-vanilla")]
+    + [pytest.param("cpu", kind, True, id=f"cpu-{kind}-dynamic") for kind in ATTENTION_TYPES]
+    + [pytest.param("cuda", kind, None, id=f"cuda-{kind}") for kind in ATTENTION_TYPES]
+    + [pytest.param("cuda", "vanilla", True, id="cuda-vanilla-dynamic")],
 )
-def test_a_compiled_fp32_model_has_the_uncompiled_gradients(device, attention_type, monkeypatch):
+def test_a_compiled_fp32_model_has_the_uncompiled_gradients(device, attention_type, dynamic, monkeypatch):
     """Compiled in fp32, as `--torch_compile` without `--mixed_precision` trains, every parameter's gradient is
     the uncompiled model's to fp32 rounding, the one-exp GELU included (on CPU by dynamo's graphs run eagerly,
     on CUDA by inductor). A gradient the compiler loses is apart by its own size: torch 2.11's dynamo gave the
-    MLP's first layer none (pytorch#180642)."""
+    MLP's first layer none (pytorch#180642). `dynamic`: compiled with `dynamic=True`, every size and float
+    symbolic, which failed to compile while the GELU read its constants from module globals."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("inductor's CUDA code needs a CUDA device")
     monkeypatch.setattr(layers_knowgpt, "GELU_GRADIENT_ONE_EXP", True)
@@ -672,7 +676,8 @@ def test_a_compiled_fp32_model_has_the_uncompiled_gradients(device, attention_ty
     try:
         plain = gradients(model)
         torch._dynamo.reset()
-        compiled = gradients(torch.compile(model, backend="aot_eager" if device == "cpu" else "inductor"))
+        backend = "aot_eager" if device == "cpu" else "inductor"
+        compiled = gradients(torch.compile(model, backend=backend, dynamic=dynamic))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert compiled.keys() == plain.keys()
