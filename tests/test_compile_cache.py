@@ -351,6 +351,33 @@ def test_compile_threads_come_back_before_anything_is_compiled_anew(tmp_path, mo
         assert config.compile_threads == 3
 
 
+@pytest.mark.parametrize("threads", [None, "1", "2"], ids=["unset", "one", "two"])
+@pytest.mark.parametrize("tuned", [False, True], ids=["untuned", "tuned"])
+def test_loading_a_tuned_step_with_compile_workers_is_warned_of(tmp_path, monkeypatch, caplog, threads, tuned):
+    """A tuned step (`coordinate_descent_tuning` among its options) loaded while the user's
+    TORCHINDUCTOR_COMPILE_THREADS keeps compile workers is warned of: its kernels come back from the workers
+    without their tuning and are tuned again. Unset, or one thread, or an untuned step: no warning."""
+    from torch._inductor import config
+
+    options = {"coordinate_descent_tuning": True} if tuned else None
+    saved = compile_cache.PrecompiledFunction(_sine, "sine", options=None)
+    saved(torch.zeros(2))
+    path = tmp_path / "f.functions"
+    assert compile_cache.save_functions(path, [saved])
+    if threads is None:
+        monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", threads)
+    with config.patch(compile_threads=config.compile_threads), caplog.at_level("WARNING"):
+        compile_cache.load_functions(path, [compile_cache.PrecompiledFunction(_sine, "sine", options=options)])
+        compile_cache._allow_compile_workers()
+    warned = [r.getMessage() for r in caplog.records if "TORCHINDUCTOR_COMPILE_THREADS" in r.getMessage()]
+    assert len(warned) == (1 if tuned and threads == "2" else 0), warned
+    assert all(
+        message.startswith("TORCHINDUCTOR_COMPILE_THREADS=2:") and "tuned again" in message for message in warned
+    )
+
+
 def test_an_error_without_a_message_still_falls_back(monkeypatch, caplog):
     def fails(self, args, kwargs):
         raise RuntimeError()

@@ -200,14 +200,24 @@ def _first_line(error: Exception) -> str:
 _compile_threads_before_loading: int | None = None
 
 
-def _compile_in_this_process() -> None:
+def _compile_in_this_process(tuned: bool = False) -> None:
     """One inductor compile thread, in this process, while a step is loaded from files. Code that inductor loads
     starts its pool of compile workers (a process of `compile_threads` workers) as soon as it names a kernel,
     even where every kernel comes from the caches; the pool's start competes with the run, and the process
     waits for its shutdown at exit (1.0–1.2 s of a warm compiled run against 0.1 s with one thread on an
-    H100, benchmarks/RESULTS.md). A thread count the user set (TORCHINDUCTOR_COMPILE_THREADS) is kept."""
+    H100, benchmarks/RESULTS.md). A thread count the user set (TORCHINDUCTOR_COMPILE_THREADS) is kept; for a
+    `tuned` step (`tune_kernels`), a count above one is warned of: kernels loaded by the workers come back
+    without the mark that says they were tuned (triton.Config's pickling drops `found_by_coordesc`), and are tuned
+    again (87 of 155 kernels, H100, torch 2.11, benchmarks/RESULTS.md)."""
     global _compile_threads_before_loading
-    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ or _compile_threads_before_loading is not None:
+    user_threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    if tuned and user_threads not in (None, "", "0", "1"):
+        logger.warning(
+            "TORCHINDUCTOR_COMPILE_THREADS=%s: the tuned kernels load through inductor's compile workers, which "
+            "lose their tuning, so they are tuned again in this run; unset it (or set 1) to load them as tuned",
+            user_threads,
+        )
+    if user_threads is not None or _compile_threads_before_loading is not None:
         return
     from torch._inductor import config
     from torch._inductor.async_compile import get_compile_threads
@@ -398,7 +408,8 @@ def load_functions(path: Path, functions: list[PrecompiledFunction]) -> bool:
     (`_compile_in_this_process`)."""
     if not path.is_file():
         return False
-    _compile_in_this_process()  # until something must be compiled anew (`PrecompiledFunction.__call__`)
+    tuned = any((function.options or {}).get("coordinate_descent_tuning") for function in functions)
+    _compile_in_this_process(tuned)  # until something must be compiled anew (`PrecompiledFunction.__call__`)
     try:
         saved = pickle.loads(path.read_bytes())
         loaded = [(function, saved.get(function.name, [])) for function in functions]
