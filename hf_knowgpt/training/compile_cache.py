@@ -208,7 +208,7 @@ def _compile_in_this_process(tuned: bool = False) -> None:
     H100, benchmarks/RESULTS.md). A thread count the user set (TORCHINDUCTOR_COMPILE_THREADS) is kept; for a
     `tuned` step (`tune_kernels`), a count above one is warned of: kernels loaded by the workers come back
     without the mark that says they were tuned (triton.Config's pickling drops `found_by_coordesc`), and are tuned
-    again (87 of 155 kernels, H100, torch 2.11, benchmarks/RESULTS.md)."""
+    again (33 and 87 of 141–155 kernels in two runs, H100, torch 2.11, benchmarks/RESULTS.md)."""
     global _compile_threads_before_loading
     user_threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
     if tuned and user_threads not in (None, "", "0", "1"):
