@@ -360,7 +360,7 @@ def test_loading_a_tuned_step_with_compile_workers_is_warned_of(tmp_path, monkey
     from torch._inductor import config
 
     options = {"coordinate_descent_tuning": True} if tuned else None
-    saved = compile_cache.PrecompiledFunction(_sine, "sine", options=None)
+    saved = compile_cache.PrecompiledFunction(_sine, "sine")
     saved(torch.zeros(2))
     path = tmp_path / "f.functions"
     assert compile_cache.save_functions(path, [saved])
