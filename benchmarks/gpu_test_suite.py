@@ -5,11 +5,12 @@ CPU's (compiling, starting processes), so it runs as several processes sharing t
 dealt out in turn, so that each process gets a share of every file and of its slow tests. A process still running at
 `--limit` gets SIGINT: pytest then stops and prints what failed so far and its counts, which a kill would lose.
 
-    bash benchmarks/gpu_machine.sh python3 benchmarks/gpu_test_suite.py --processes 6 --limit 330 --part 1/3 --output $OUT
+    bash benchmarks/gpu_machine.sh python3 benchmarks/gpu_test_suite.py --processes 6 --limit 330 --part 1/3 \
+        --output $OUT
 
-The whole suite takes more than one call of the GPU machine (more than 3,400 process-seconds, six or seven at once on one
-H100, torch 2.11, benchmarks/results/h100_pytest_suite_torch211_2026_12_06.txt): `--part 1/3` to `--part 3/3` in three
-calls run every id once (a third, 352 ids: six processes of 170–266 s, the call 284 s,
+The whole suite takes more than one call of the GPU machine (more than 3,400 process-seconds, six or seven at once on
+one H100, torch 2.11, benchmarks/results/h100_pytest_suite_torch211_2026_12_06.txt): `--part 1/3` to `--part 3/3` in
+three calls run every id once (a third, 352 ids: six processes of 170–266 s, the call 284 s,
 benchmarks/results/h100_pytest_suite_part1of3_2026_12_06.txt).
 
 Anything after `--` goes to pytest's collection (files, ids, `-k`); the default is the whole of `tests`. It runs

@@ -273,9 +273,9 @@ def _normal_cdf_and_gaussian(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     Abramowitz & Stegun 7.1.26: for z ≥ 0, erf(z) = 1 − t·(a₁ + a₂t + a₃t² + a₄t³ + a₅t⁴)·e^{−z²} + ε, t = 1/(1 + p·z),
     |ε| ≤ 1.5e-7; at z = |x|/√2, e^{−z²} is e^{−x²/2}. Its constants are literals here, not module globals: under
     `torch.compile(dynamic=True)` dynamo makes a float read from a global, a closure or an attribute a graph input,
-    and one first read inside an autograd.Function's graph (`_GeluOneExpGradient`, once per layer) fails the next layer's ("should
-    not be called on root SubgraphTracer", torch 2.11 and 2.13; the fault pytorch/pytorch#193194 reports for
-    checkpointed modules)."""
+    and one first read inside an autograd.Function's graph (`_GeluOneExpGradient`, once per layer) fails the next
+    layer's ("should not be called on root SubgraphTracer", torch 2.11 and 2.13; the fault pytorch/pytorch#193194
+    reports for checkpointed modules)."""
     gaussian = torch.exp2(x * x * (-0.5 * 1.4426950408889634))  # e^{−x²/2} = 2^{−x²·log₂(e)/2}
     t = torch.reciprocal(x.abs() * (0.3275911 * 0.7071067811865476) + 1)  # 1/(1 + p·|x|/√2)
     a1, a2, a3, a4, a5 = 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429
