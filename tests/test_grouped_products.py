@@ -217,7 +217,12 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
     """A small model compiled with the pass and without, the same batch under bf16 autocast: with it, the op runs
     once in the backward pass, for every linear layer's weight gradient and the wide layers' bias gradients (with
     `layers_knowgpt.NARROW_BIAS_SUMS_TOGETHER`, every layer's), on its kernel; every gradient agrees with the run
-    without it (the same products and sums, summed in another order)."""
+    without it (the same products and sums, summed in another order) to within a tenth of what bf16 autocast itself
+    moves it from fp32.
+
+    Not element by element: the two graphs are fused and tuned apart, so an fp32 sum taken in another order now and
+    then rounds an activation gradient to the neighbouring bf16 value, and that one step (0.4-0.8% of the element)
+    reaches the embeddings' gradients (an H100 saw 2 of 32768 elements 1.25e-5 apart, where most agree to 1e-9)."""
     from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, layers_knowgpt
 
     monkeypatch.setattr(layers_knowgpt, "NARROW_BIAS_SUMS_TOGETHER", narrow_sums)
@@ -229,10 +234,11 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
     ids = torch.randint(0, 256, (8, 128), device="cuda")
 
     def gradients(options):
+        """Compiled with these inductor options under bf16 autocast; with None, eager in fp32."""
         torch._dynamo.reset()
         model.zero_grad(set_to_none=True)
-        compiled = torch.compile(model, options=options)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        compiled = model if options is None else torch.compile(model, options=options)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=options is not None):
             loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
@@ -259,10 +265,11 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
     assert calls == [(4 * config.n_layer, True)], calls
     assert sums == [(4 if narrow_sums else 2) * config.n_layer], sums
     assert apart.keys() == together.keys()
+    fp32 = gradients(None)
     for name in apart:
-        torch.testing.assert_close(
-            together[name], apart[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
-        )
+        moved_by_the_pass = torch.linalg.vector_norm(together[name] - apart[name])
+        moved_by_bf16 = torch.linalg.vector_norm(apart[name] - fp32[name])
+        assert moved_by_the_pass <= 0.1 * moved_by_bf16, (name, moved_by_the_pass.item(), moved_by_bf16.item())
 
 
 def test_the_graphed_step_compiles_with_the_pass_only_where_told(monkeypatch):
