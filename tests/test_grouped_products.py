@@ -220,9 +220,9 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
     without it (the same products and sums, summed in another order) to within a tenth of what bf16 autocast itself
     moves it from fp32.
 
-    Not element by element: the two graphs are fused and tuned apart, so an fp32 sum taken in another order now and
-    then rounds an activation gradient to the neighbouring bf16 value, and that one step (0.4-0.8% of the element)
-    reaches the embeddings' gradients (an H100 saw 2 of 32768 elements 1.25e-5 apart, where most agree to 1e-9)."""
+    Not element by element: the two graphs are fused and tuned apart, and an fp32 sum taken in another order can round
+    an activation gradient to the neighbouring bf16 value, a step of 0.4-0.8% that reaches the embeddings' gradients
+    (one H100 gave 2 of 32768 elements 1.25e-5 apart, where another gives 1e-9 at most)."""
     from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, layers_knowgpt
 
     monkeypatch.setattr(layers_knowgpt, "NARROW_BIAS_SUMS_TOGETHER", narrow_sums)
