@@ -10,8 +10,8 @@ dealt out in turn, so that each process gets a share of every file and of its sl
 
 The whole suite takes more than one call of the GPU machine (more than 3,400 process-seconds, six or seven at once on
 one H100, torch 2.11, benchmarks/results/h100_pytest_suite_torch211_2026_12_06.txt): `--part 1/3` to `--part 3/3` in
-three calls run every id once (a third, 352 ids: six processes of 170–266 s, the call 284 s,
-benchmarks/results/h100_pytest_suite_part1of3_2026_12_06.txt).
+three calls run every id once (a third, 351 or 352 ids: six processes of 117–313 s, the calls 284–346 s,
+benchmarks/results/h100_pytest_suite_part1of3_2026_12_06.txt and the parts after it).
 
 Anything after `--` goes to pytest's collection (files, ids, `-k`); the default is the whole of `tests`. It runs
 where it is started (the repository's root above): pytest's ids are relative to it.
@@ -125,13 +125,18 @@ def main(argv=None):
     part = re.fullmatch(r"(\d+)/(\d+)", args.part)
     if not part or not 1 <= int(part[1]) <= int(part[2]):
         parser.error(f"--part takes K/N with 1 ≤ K ≤ N, not {args.part!r}")
-    ids = collect(args.selection)[int(part[1]) - 1 :: int(part[2])]
+    collected = collect(args.selection)
+    ids = collected[int(part[1]) - 1 :: int(part[2])]
     groups = deal(ids, args.processes)
     processes = f"{len(groups)} process" + ("es" if len(groups) > 1 else "")
-    print(f"{len(ids)} test ids in {processes}, {args.limit:.0f} s each at most", flush=True)
+    heading = (
+        f"{len(ids)} of {len(collected)} collected test ids (part {args.part}) in {processes}, "
+        f"{args.limit:.0f} s each at most"
+    )
+    print(heading, flush=True)
     runs = run_groups(groups, args.limit, args.output, args.compile_threads)
     text = report(runs, len(ids))
-    (args.output / "summary.txt").write_text(text + "\n")
+    (args.output / "summary.txt").write_text(f"{heading}\n{text}\n")
     print(text)
     return 0 if all(not run["stopped"] and run["process"].returncode == 0 for run in runs) else 1
 

@@ -453,7 +453,7 @@ def test_the_gpu_test_suite_reports_each_process_and_what_failed_even_when_stopp
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "6 test ids in 2 processes, 6 s each at most"
+    assert lines[0] == "6 of 6 collected test ids (part 1/1) in 2 processes, 6 s each at most"
     rows = {line.split()[0]: line.split() for line in lines[2:5]}
     # group 0: test_broken, test_fails, test_slow (stopped in it); group 1: the three that pass
     assert rows["0"][1:7] == ["3", "0", "1", "0", "1", "0"] and lines[2].endswith("stopped at the limit")
@@ -462,9 +462,11 @@ def test_the_gpu_test_suite_reports_each_process_and_what_failed_even_when_stopp
     assert "FAILED test_dealt.py::test_fails - assert 1 == 2" in lines
     assert any(line.startswith("ERROR test_dealt.py::test_broken") for line in lines)
     assert lines[-1].startswith("5 of 6 collected ids ran; 1 did not")
-    assert (tmp_path / "logs" / "summary.txt").read_text().splitlines() == lines[1:]
+    assert (tmp_path / "logs" / "summary.txt").read_text().splitlines() == lines
 
     second_half = subprocess.run(command[:2] + ["--part", "2/2", "--processes", "1", "--", "."], capture_output=True,
                                  text=True, cwd=tmp_path, timeout=60)  # fmt: skip
-    assert second_half.stdout.splitlines()[0] == "3 test ids in 1 process, 480 s each at most"  # ok, ok2, after_slow
+    assert (
+        second_half.stdout.splitlines()[0] == "3 of 6 collected test ids (part 2/2) in 1 process, 480 s each at most"
+    )  # ok, ok2, after_slow
     assert second_half.returncode == 0, second_half.stdout + second_half.stderr
