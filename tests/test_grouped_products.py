@@ -211,6 +211,30 @@ def test_the_pass_names_itself_by_its_code_not_its_address():
     assert "0x" not in repr(WeightGradientsTogether())
 
 
+def small_model_and_batch():
+    """The compiled-model test's CUDA model (two blocks of width 128, in eval mode: no dropout, so that every run sees
+    the same arithmetic) and batch of 8 × 128 tokens, seeded; benchmarks/diagnostics/grouped_pass_drift.py takes
+    them too."""
+    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM
+
+    config = KnowGPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128, attention_type="vanilla")
+    torch.manual_seed(0)
+    model = KnowGPTForCausalLM(config).cuda().eval()
+    return model, torch.randint(0, 256, (8, 128), device="cuda")
+
+
+def model_gradients(model, ids, options):
+    """Each parameter's gradient of the loss on `ids`, the model compiled with these inductor options under bf16
+    autocast; with None, eager in fp32."""
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    compiled = model if options is None else torch.compile(model, options=options)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=options is not None):
+        loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.mm's out_dtype, bf16 autocast)")
 @pytest.mark.parametrize("narrow_sums", [False, True], ids=["wide-sums", "every-sum"])
 def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_ones(monkeypatch, narrow_sums):
@@ -223,27 +247,11 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
     Not element by element: the two graphs are fused and tuned apart, and an fp32 sum taken in another order can round
     an activation gradient to the neighbouring bf16 value, a step of 0.4-0.8% that reaches the embeddings' gradients
     (one H100 gave 2 of 32768 elements 1.25e-5 apart, where another gives 1e-9 at most)."""
-    from hf_knowgpt import KnowGPTConfig, KnowGPTForCausalLM, layers_knowgpt
+    from hf_knowgpt import layers_knowgpt
 
     monkeypatch.setattr(layers_knowgpt, "NARROW_BIAS_SUMS_TOGETHER", narrow_sums)
-
-    config = KnowGPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=128, attention_type="vanilla")
-    torch.manual_seed(0)
-    model = KnowGPTForCausalLM(config).cuda()
-    model.eval()  # no dropout: the two runs see the same arithmetic
-    ids = torch.randint(0, 256, (8, 128), device="cuda")
-
-    def gradients(options):
-        """Compiled with these inductor options under bf16 autocast; with None, eager in fp32."""
-        torch._dynamo.reset()
-        model.zero_grad(set_to_none=True)
-        compiled = model if options is None else torch.compile(model, options=options)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=options is not None):
-            loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-    apart = gradients({})
+    model, ids = small_model_and_batch()
+    apart = model_gradients(model, ids, {})
     calls, sums = [], []
     kernel_applies, check_operands = grouped_products._kernel_applies, grouped_products._check_operands
 
@@ -258,14 +266,14 @@ def test_a_compiled_model_takes_its_weight_gradients_together_and_gets_the_same_
 
     monkeypatch.setattr(grouped_products, "_kernel_applies", recorded)
     monkeypatch.setattr(grouped_products, "_check_operands", checked)
-    together = gradients({"post_grad_custom_post_pass": WeightGradientsTogether(column_sums=True)})
+    together = model_gradients(model, ids, {"post_grad_custom_post_pass": WeightGradientsTogether(column_sums=True)})
     # four linear layers a block (the attention's input and output projections, the MLP's two), and the bias sums of
     # the two wide ones (the attention's input projection, the MLP's first layer), which `column_sums` takes, or of
     # all four
-    assert calls == [(4 * config.n_layer, True)], calls
-    assert sums == [(4 if narrow_sums else 2) * config.n_layer], sums
+    assert calls == [(4 * model.config.n_layer, True)], calls
+    assert sums == [(4 if narrow_sums else 2) * model.config.n_layer], sums
     assert apart.keys() == together.keys()
-    fp32 = gradients(None)
+    fp32 = model_gradients(model, ids, None)
     for name in apart:
         moved_by_the_pass = torch.linalg.vector_norm(together[name] - apart[name])
         moved_by_bf16 = torch.linalg.vector_norm(apart[name] - fp32[name])
