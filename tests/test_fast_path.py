@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing
-from conftest import tiny_config
+from conftest import KERNEL_SKIP, TRITON_INTERPRETED, tiny_config
 from torch._dynamo.utils import counters
 
 from data_loaders import (
@@ -25,6 +25,7 @@ from data_loaders import (
 )
 from hf_knowgpt import KnowGPTForCausalLM, KnowGPTTokenizerFast, attention_knowgpt
 from hf_knowgpt.kernels.fused_attention import fused_attention_available
+from hf_knowgpt.kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies
 from hf_knowgpt.training import fast_path
 from hf_knowgpt.training.arguments import TrainingArguments
 from hf_knowgpt.training.data import (
@@ -262,10 +263,12 @@ def test_packed_steps_made_ready_together_are_each_steps_own(pretraining_data, t
                 assert torch.equal(torch.as_tensor(made[name]), torch.as_tensor(value)), (planned, step, name)
 
 
-def _graphed_bodies_in_one_of_two_processes(rank, directory, steps, gradient_reduce_dtype="fp32"):
-    """One process of two (gloo on CPU): the packed graphed body, uncaptured, for `steps` steps. The processes
-    meet through a file, not a TCP port that another process could take between choosing and binding it, and
-    compute with one thread each, as the reference does (summation order follows the thread count)."""
+def _graphed_bodies_in_one_of_two_processes(rank, directory, steps, gradient_reduce_dtype="fp32", update="torch"):
+    """One process of two (gloo on CPU): the packed graphed body, uncaptured, for `steps` steps, updating through
+    torch's optimizer or the multi-tensor kernels (Triton's interpreter; a GPU's process takes them by itself).
+    The processes meet through a file, not a TCP port that another process could take between choosing and
+    binding it, and compute with one thread each, as the reference does (summation order follows the thread
+    count)."""
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
     torch.distributed.init_process_group(
@@ -279,6 +282,12 @@ def _graphed_bodies_in_one_of_two_processes(rank, directory, steps, gradient_red
         )  # fmt: skip
         assert trainer.accelerator.num_processes == 2 and trainer.accelerator.process_index == rank
         stepper = GraphedStepper(trainer, packed=True, bucket=64)
+        if update == "multi-tensor":
+            assert multi_tensor_adamw_applies(stepper.optimizer, stepper.parameters)
+            stepper.update = MultiTensorAdamW(
+                stepper.optimizer, stepper.parameters, trainer.args.grad_norm_clip, stepper.learning_rates,
+                stepper.learning_rate,
+            )  # fmt: skip
         capacities, losses = [], []
         for step in range(steps):
             trainer.optimizer.zero_grad(set_to_none=True)
@@ -299,11 +308,26 @@ def _graphed_bodies_in_one_of_two_processes(rank, directory, steps, gradient_red
 
 
 @pytest.mark.parametrize("gradient_reduce_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "update",
+    [
+        "torch",
+        pytest.param(
+            "multi-tensor",
+            marks=pytest.mark.skipif(
+                not TRITON_INTERPRETED or KERNEL_SKIP is not None,
+                reason="the processes train on CPUs: the multi-tensor update needs Triton's interpreter there "
+                "(TRITON_INTERPRET=1)",
+            ),
+        ),
+    ],
+)
 def test_graphed_bodies_on_two_processes_take_the_single_process_steps(
-    pretraining_data, tmp_path, gradient_reduce_dtype
+    pretraining_data, tmp_path, gradient_reduce_dtype, update
 ):
     """Each process trains its slice of the global batch and the body sums their gradients (the all-reduce the
-    CUDA graph captures on GPUs): the parameters follow the one-process eager steps. Summed in bf16, each
+    CUDA graph captures on GPUs): the parameters follow the one-process eager steps, whether torch's optimizer
+    or the multi-tensor update (reading the sum's buffer) takes the step. Summed in bf16, each
     gradient is rounded to bf16 first: the losses follow as closely, the parameters within what that rounding
     moves through Adam (a step of the learning rate where a gradient element near 0 changes its sign)."""
     tokenizer, data = pretraining_data
@@ -320,7 +344,7 @@ def test_graphed_bodies_on_two_processes_take_the_single_process_steps(
     finally:
         torch.set_num_threads(threads)
     torch.multiprocessing.spawn(
-        _graphed_bodies_in_one_of_two_processes, args=(tmp_path, steps, gradient_reduce_dtype), nprocs=2
+        _graphed_bodies_in_one_of_two_processes, args=(tmp_path, steps, gradient_reduce_dtype, update), nprocs=2
     )
     first, second = (torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1))
     # Both processes replay the same graph (token capacity) at every step, or their collectives would not match.

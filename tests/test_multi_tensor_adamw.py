@@ -18,7 +18,6 @@ from hf_knowgpt.kernels import multi_tensor_adamw
 from hf_knowgpt.kernels.multi_tensor_adamw import (
     MultiTensorAdamW,
     multi_tensor_adamw_applies,
-    multi_tensor_adamw_pays,
 )
 
 # Shapes that cross the update's and the norm's block boundaries, and tensors smaller than a block.
@@ -207,14 +206,6 @@ def test_applies_only_to_the_optimizers_it_computes(monkeypatch):
     assert not multi_tensor_adamw_applies(make_optimizer(parameters, capturable_rate=True), parameters)
 
 
-def test_the_kernels_are_chosen_only_where_torchs_chunks_leave_multiprocessors_idle():
-    """An H200's 132 multiprocessors: the handout model (3.3M parameters, about 51 of torch's chunks) takes the
-    kernels, the 51M-parameter model that bench_optimizer_step.py found slower with them does not."""
-    assert multi_tensor_adamw_pays(3_323_904, 132)
-    assert not multi_tensor_adamw_pays(51_044_352, 132)
-    assert multi_tensor_adamw_pays(132 * 65536 - 1, 132) and not multi_tensor_adamw_pays(132 * 65536, 132)
-
-
 @needs_kernel
 def test_gradients_that_are_not_contiguous_are_read_as_torch_reads_them():
     """A gradient laid out transposed (as some products leave one) is read element for element, not by its
@@ -303,3 +294,21 @@ def test_gradients_concatenated_first_update_alike(monkeypatch):
     for step in range(3):
         step_both_ways(parameters, optimizer, kernel, step, max_norm=1.0, scale=1.0)
         assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)
+
+
+@needs_kernel
+def test_gradients_from_one_buffer_update_alike():
+    """Given every gradient in one buffer (`flat_gradients`, as a sum over processes leaves them), the kernels
+    read them there, not `.grad`, and step as torch's AdamW does; a buffer of another size is refused."""
+    parameters, optimizer, kernel = both_ways(max_norm=1.0)
+    for step in range(3):
+        torch_step(parameters, optimizer, step, max_norm=1.0, scale=1.0)
+        set_gradients(kernel.parameters, step, scale=1.0)
+        flat = torch.cat([p.grad.reshape(-1) for p in kernel.parameters])
+        for parameter in kernel.parameters:
+            parameter.grad.fill_(float("nan"))  # read from the buffer or not at all
+        kernel.step_counter.fill_(step)
+        kernel.update.step(kernel.step_counter, flat)
+        assert_same_state(kernel.parameters, kernel.optimizer, parameters, optimizer)
+    with pytest.raises(ValueError, match="flat_gradients must be one fp32 buffer of the 10778 updated elements"):
+        kernel.update.step(kernel.step_counter, flat[:-1])

@@ -95,9 +95,7 @@ other way); the attention kernel handed the queries, keys and values as one stac
 tensor, their gradients written as one instead of concatenated after (`stacked-attention-inputs`,
 `attention_knowgpt.STACKED_ATTENTION_INPUTS`, as it is now; `three-attention-inputs` the other way); the update's gradients concatenated into one
 buffer before its kernels read them, instead of read where autograd left them (`gradients-concatenated`,
-`multi_tensor_adamw.GRADIENTS_IN_PLACE`); the update's kernels at any model size, where they now take over only below
-65,536 parameters per multiprocessor (`multi-tensor-update-at-any-size`, `multi_tensor_adamw.multi_tensor_adamw_pays`;
-for a run at width 1024, one process); parts of the compiled step left uncompiled: its batch (`eager-batch`,
+`multi_tensor_adamw.GRADIENTS_IN_PLACE`); parts of the compiled step left uncompiled: its batch (`eager-batch`,
 `GraphedStepper.compiled_device_batch`), its clipping and learning rate (`eager-clip`), both
 (`eager-batch-clip`); CPU training without keeping freed memory for reuse (`fast_path.reuse_freed_memory`).
 Several GPUs, four processes at width 1024:
@@ -221,8 +219,6 @@ VARIANTS = {
     # one (attention_knowgpt.STACKED_ATTENTION_INPUTS), or as three tensors, their gradients concatenated after
     "stacked-attention-inputs": {"attention_knowgpt": {"STACKED_ATTENTION_INPUTS": True}},
     "three-attention-inputs": {"attention_knowgpt": {"STACKED_ATTENTION_INPUTS": False}},
-    # the update's kernels at any model size, not only where torch's fused AdamW leaves multiprocessors idle
-    "multi-tensor-update-at-any-size": {"multi_tensor_adamw": {"multi_tensor_adamw_pays": lambda *_: True}},
     # "env": set in the run's environment before it starts. No cuBLAS or cuBLASLt workspace: no split-K product
     # that keeps its partial sums there and adds them up in a reduce kernel of its own (16 a step at the handout's
     # size, 2.2 µs each)

@@ -5,7 +5,8 @@ Why: torch's fused AdamW walks its tensor lists in chunks of 65536 elements, one
 so the handout model's 3.3M parameters (two groups: decayed and not) give about 60 blocks for the 132
 multiprocessors of an H100 or H200: its two launches took 62 µs of the 1.55 ms step (H200 profile,
 benchmarks/RESULTS.md), more than twice what their 91 MB of reads and writes need at the memory's speed, and
-the clipping's norms and scaling, compiled by inductor, took kernels of their own beside them.
+the clipping's norms and scaling, compiled by inductor, took kernels of their own beside them. Where torch's
+chunks fill the card (51M parameters at width 1024), the three launches still take less (benchmarks/RESULTS.md).
 
 How: every block of every parameter gets a program of its own (a few thousand), which reaches the parameter's
 gradient through a table of the gradients' addresses: `_squared_sums` sums the squares of its block, `_finish`
@@ -13,8 +14,9 @@ gradient through a table of the gradients' addresses: `_squared_sums` sums the s
 learning rate from the schedule, counts the optimizer's step and computes its bias corrections, and `_update`
 applies the clipped gradient to the parameter and its two moments. The gradients are read where autograd left
 them: concatenated into one buffer first (`torch.cat`), they cost the handout's step 22 µs on an H200
-(benchmarks/RESULTS.md). A captured graph's gradients keep their addresses at every replay, so each capture
-gets a table of its own, made before it outside the graphs' memory pool and filled once it ends
+(benchmarks/RESULTS.md). Where they already lie in one buffer (several processes sum them in one), the kernels
+read them there (`step`'s `flat_gradients`). A captured graph's gradients keep their addresses at every replay, so
+each capture gets a table of its own, made before it outside the graphs' memory pool and filled once it ends
 (`tables_captured`); a step run uncaptured fills one shared table first. Everything the step reads is on the
 device, so the three launches can be captured in a CUDA graph and replayed. The moments live in two flat buffers
 and the step counts in a third, of which the optimizer's state tensors are views, so that checkpoints save and
@@ -45,8 +47,6 @@ GRADIENTS_IN_PLACE = True
 # Elements per program of the squared sums and of the update (one per block of each parameter: about 3300 for the
 # handout model, enough to keep every multiprocessor's memory requests in flight).
 UPDATE_BLOCK = 1024
-# Elements per block of threads in torch's fused AdamW (its multi-tensor chunks).
-TORCH_CHUNK = 65536
 
 
 def multi_tensor_adamw_applies(optimizer, parameters) -> bool:
@@ -76,14 +76,6 @@ def multi_tensor_adamw_applies(optimizer, parameters) -> bool:
             for group in groups
         )
     )
-
-
-def multi_tensor_adamw_pays(elements: int, multiprocessors: int) -> bool:
-    """Whether the kernels beat torch's fused AdamW for `elements` parameters on a GPU of `multiprocessors`:
-    where torch's chunks leave some multiprocessor without one (benchmarks/bench_optimizer_step.py, one H200: 1.60×
-    at the handout model's 3.3M parameters and 0.90× at 51M with the gradients concatenated first; read where
-    autograd left them, 2.45× and 1.27×). The bound stays until a whole run beyond it is timed each way."""
-    return elements < multiprocessors * TORCH_CHUNK
 
 
 class MultiTensorAdamW:
@@ -171,19 +163,7 @@ class MultiTensorAdamW:
         self.uncaptured_table.copy_(torch.tensor(addresses, dtype=torch.int64))
         return self.uncaptured_table
 
-    def tables_captured(self) -> None:
-        """Fill the gradient tables of the steps captured since the last call (call after each capture ends)."""
-        for table, addresses in self.unfilled_tables:
-            table.copy_(torch.tensor(addresses, dtype=torch.int64))
-        self.captured_tables += self.unfilled_tables
-        self.unfilled_tables = []
-        if self.spare_table is None:  # for the next capture, made here, outside any
-            self.spare_table = torch.empty_like(self.captured_tables[-1][0])
-
-    def step(self, step_counter: torch.Tensor) -> None:
-        """One step, from the parameters' `.grad` (left as they are, unclipped)."""
-        if self.updated is None:
-            self._bind([p for p in self.parameters if p.grad is not None])
+    def _gradients(self) -> list[torch.Tensor]:
         gradients = []
         for parameter in self.updated:
             if parameter.grad is None:
@@ -194,11 +174,39 @@ class MultiTensorAdamW:
             if parameter.grad.dtype != torch.float32:
                 raise RuntimeError(f"the multi-tensor AdamW takes fp32 gradients, got {parameter.grad.dtype}")
             gradients.append(parameter.grad.contiguous())
-        if GRADIENTS_IN_PLACE:
+        return gradients
+
+    def _flat_gradient_table(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each gradient's address within one buffer, computed on the device (a captured step repeats it)."""
+        return self.offsets * flat.element_size() + flat.data_ptr()
+
+    def tables_captured(self) -> None:
+        """Fill the gradient tables of the steps captured since the last call (call after each capture ends)."""
+        for table, addresses in self.unfilled_tables:
+            table.copy_(torch.tensor(addresses, dtype=torch.int64))
+        self.captured_tables += self.unfilled_tables
+        self.unfilled_tables = []
+        if self.spare_table is None:  # for the next capture, made here, outside any
+            self.spare_table = torch.empty_like(self.captured_tables[-1][0])
+
+    def step(self, step_counter: torch.Tensor, flat_gradients: torch.Tensor | None = None) -> None:
+        """One step, from the parameters' `.grad` (left as they are, unclipped), or from `flat_gradients`, every
+        updated parameter's gradient in one fp32 buffer in their order (as a sum over processes leaves them)."""
+        if self.updated is None:
+            self._bind([p for p in self.parameters if p.grad is not None])
+        if flat_gradients is not None:
+            if flat_gradients.dtype != torch.float32 or flat_gradients.shape != (self.exp_avg.numel(),):
+                raise ValueError(
+                    f"flat_gradients must be one fp32 buffer of the {self.exp_avg.numel()} updated elements, got "
+                    f"{flat_gradients.dtype} of shape {tuple(flat_gradients.shape)}"
+                )
+            table = self._flat_gradient_table(flat_gradients)
+        elif GRADIENTS_IN_PLACE:
+            gradients = self._gradients()  # held until the kernels are launched: a copy of one may be all there is
             table = self._gradient_table(gradients)
-        else:  # each gradient's address within the buffer, computed on the device (a captured step repeats it)
-            flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
-            table = self.offsets * flat.element_size() + flat.data_ptr()
+        else:
+            flat_gradients = torch.cat([gradient.reshape(-1) for gradient in self._gradients()])  # held likewise
+            table = self._flat_gradient_table(flat_gradients)
         blocks = self.block_tensor.numel()
         _squared_sums[(blocks,)](
             table, self.block_tensor, self.block_start, self.numels, self.partial_sums, BLOCK=UPDATE_BLOCK
@@ -289,4 +297,4 @@ if triton is not None:
         tl.store(EXP_AVG_SQ + flat, exp_avg_sq, mask=inside)
 
 
-__all__ = ["MultiTensorAdamW", "multi_tensor_adamw_applies", "multi_tensor_adamw_pays"]
+__all__ = ["MultiTensorAdamW", "multi_tensor_adamw_applies"]

@@ -249,10 +249,9 @@ class GraphedStepper:
     # tuning kept between runs"). Not the default: a warm handout run gains nothing, the first takes ~50 s more.
     TUNING_OPTIONS = {"coordinate_descent_tuning": True, "use_static_cuda_launcher": False}
     # The update (clipping, the step's learning rate, AdamW) in three launches for all parameters
-    # (`kernels.multi_tensor_adamw`) where it applies (one process, torch's AdamW as the trainer makes it) and pays
-    # (a model small enough that torch's fused AdamW leaves multiprocessors idle: the handout's 3.3M parameters
-    # give its two launches about 60 blocks); else the clipping compiled with the step and torch's fused AdamW.
-    # The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s (H200, benchmarks/RESULTS.md).
+    # (`kernels.multi_tensor_adamw`) where it applies (torch's AdamW as the trainer makes it); else the clipping
+    # compiled with the step and torch's fused AdamW. The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s
+    # (H200); 100 epochs at width 1024 (51M parameters), 15.2-15.5 s against 15.6-15.9 s (H100; benchmarks/RESULTS.md).
     MULTI_TENSOR_UPDATE = True
     # A compiled step's weight-gradient products, and the wide layers' bias gradients, taken together at the end of
     # its backward pass, in one launch (`kernels.grouped_products.WeightGradientsTogether`, a pass over inductor's
@@ -339,15 +338,11 @@ class GraphedStepper:
 
     def _multi_tensor_update(self, max_norm):
         """The update in three launches (`MULTI_TENSOR_UPDATE`), where it applies; None where it does not."""
-        if not self.MULTI_TENSOR_UPDATE or self.world > 1 or self.device.type != "cuda":
+        if not self.MULTI_TENSOR_UPDATE or self.device.type != "cuda":
             return None
-        from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies, multi_tensor_adamw_pays
+        from ..kernels.multi_tensor_adamw import MultiTensorAdamW, multi_tensor_adamw_applies
 
-        multiprocessors = torch.cuda.get_device_properties(self.device).multi_processor_count
-        if not (
-            multi_tensor_adamw_applies(self.optimizer, self.parameters)
-            and multi_tensor_adamw_pays(sum(self.parameter_sizes), multiprocessors)
-        ):
+        if not multi_tensor_adamw_applies(self.optimizer, self.parameters):
             return None
         return MultiTensorAdamW(self.optimizer, self.parameters, max_norm, self.learning_rates, self.learning_rate)
 
@@ -415,11 +410,11 @@ class GraphedStepper:
             trained_targets = (labels[:, 1:] != -100).sum()
         loss = self.model_loss(input_ids, labels, token_index, trained_targets, self.autocast_dtype)
         loss.backward()
-        if self.update is not None:
-            self.update.step(self.step_counter)
+        if self.update is not None:  # with several processes, it reads the sum's buffer; `.grad` stays this one's
+            self.update.step(self.step_counter, self._sum_gradients_over_processes() if self.world > 1 else None)
         else:
             if self.world > 1:
-                self._sum_gradients_over_processes()
+                self._copy_back_gradients(self._sum_gradients_over_processes())
             (self.compiled_clip_and_rate or self._clip_and_rate)()
             self.optimizer.step()
         # Each process's loss is its share of the batch's mean; the log averages over processes.
@@ -444,16 +439,20 @@ class GraphedStepper:
     def _clip_and_rate(self):
         clip_and_set_rate(*self._clip_and_rate_arguments())
 
-    def _sum_gradients_over_processes(self):
-        """One all-reduce for all gradients: flattened into one buffer and copied back (two kernels), where
-        one collective per parameter would cost a launch and a rendezvous each. Summed in bf16
-        (`gradient_reduce_dtype`), the buffer is cast before the sum and back after it (two more kernels)."""
-        gradients = [p.grad for p in self.parameters]
-        flat = torch.cat([gradient.reshape(-1) for gradient in gradients])
+    def _sum_gradients_over_processes(self) -> torch.Tensor:
+        """One all-reduce for all gradients, flattened into one fp32 buffer (returned), where one collective per
+        parameter would cost a launch and a rendezvous each. Summed in bf16 (`gradient_reduce_dtype`), the buffer
+        is cast before the sum and back after it (two more kernels)."""
+        flat = torch.cat([p.grad.reshape(-1) for p in self.parameters])
         summed = flat.to(self.gradient_reduce_dtype)  # fp32: the buffer itself
         torch.distributed.all_reduce(summed)
         if summed is not flat:
             flat.copy_(summed)
+        return flat
+
+    def _copy_back_gradients(self, flat: torch.Tensor) -> None:
+        """The summed gradients into `.grad`, for torch's clipping and optimizer (not the multi-tensor update's)."""
+        gradients = [p.grad for p in self.parameters]
         parts = [part.view_as(gradient) for part, gradient in zip(flat.split(self.parameter_sizes), gradients)]
         torch._foreach_copy_(gradients, parts)
 
