@@ -55,6 +55,10 @@ def counts(log: str) -> dict[str, int]:
     return {word: found.get(word, 0) for word in COUNTED}
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_groups(groups: list[list[str]], limit_s: float, output: Path, compile_threads: int) -> list[dict]:
     """Each group in a pytest process of its own, all at once; each stopped by SIGINT at `limit_s`."""
     output.mkdir(parents=True, exist_ok=True)
@@ -65,7 +69,8 @@ def run_groups(groups: list[list[str]], limit_s: float, output: Path, compile_th
         log_path = output / f"group{number}.log"
         log = open(log_path, "w")
         command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *ids]
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # SIGINT at its default in the child: a shell's background job ignores it, and Python then keeps it ignored
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint)
         runs.append(dict(group=number, ids=len(ids), process=process, log=log, log_path=log_path, stopped=False))
     for run in runs:
         try:

@@ -1,8 +1,10 @@
 """CPU smoke tests of the speed benchmark's parts: the handouts' loop it compares with, and the timeline that
 accounts for every second of a train.py process; and of the GPU test-suite runner."""
 
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -442,19 +444,23 @@ def test_sampled_stacks_counts_each_stack_once_toward_the_first_kind_it_matches(
 
 def test_the_gpu_test_suite_reports_each_process_and_what_failed_even_when_stopped(tmp_path):
     """Ids dealt in turn to two processes; the one still running at the limit is stopped by SIGINT and still
-    reports its failure and error, its counts, and the ids that did not run."""
+    reports its failure and error, its counts, and the ids that did not run, also where the runner itself was
+    started with SIGINT ignored."""
     (tmp_path / "test_dealt.py").write_text(
         "import time\nimport pytest\n\n\n@pytest.fixture\ndef broken():\n    raise RuntimeError('set-up')\n\n\n"
         "def test_broken(broken):\n    pass\n\n\ndef test_ok():\n    pass\n\n\ndef test_fails():\n    assert 1 == 2\n\n\n"
         "def test_ok2():\n    pass\n\n\ndef test_slow():\n    time.sleep(60)\n\n\ndef test_after_slow():\n    pass\n"
     )
-    # The limit leaves a loaded 2-core machine time to start pytest and reach test_slow (at 6 s, once, it did not).
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_test_suite.py"), "--processes", "2", "--limit", "20",
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_test_suite.py"), "--processes", "2", "--limit", "6",
                "--output", str(tmp_path / "logs"), "--", "."]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    # started with SIGINT ignored, as a shell's background job is: the runner's processes must still take it
+    ignoring_sigint = functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN)
+    result = subprocess.run(
+        command, capture_output=True, text=True, cwd=tmp_path, timeout=120, preexec_fn=ignoring_sigint
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == "6 of 6 collected test ids (part 1/1) in 2 processes, 20 s each at most"
+    assert lines[0] == "6 of 6 collected test ids (part 1/1) in 2 processes, 6 s each at most"
     rows = {line.split()[0]: line.split() for line in lines[2:5]}
     # group 0: test_broken, test_fails, test_slow (stopped in it); group 1: the three that pass
     assert rows["0"][1:7] == ["3", "0", "1", "0", "1", "0"] and lines[2].endswith("stopped at the limit")
