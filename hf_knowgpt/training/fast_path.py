@@ -251,7 +251,8 @@ class GraphedStepper:
     # The update (clipping, the step's learning rate, AdamW) in three launches for all parameters
     # (`kernels.multi_tensor_adamw`) where it applies (torch's AdamW as the trainer makes it); else the clipping
     # compiled with the step and torch's fused AdamW. The handout recipe's steps: 22.5-22.9 s against 23.1-23.5 s
-    # (H200); 100 epochs at width 1024 (51M parameters), 15.2-15.5 s against 15.6-15.9 s (H100; benchmarks/RESULTS.md).
+    # (H200); 100 epochs at width 1024 (51M parameters), 15.20-15.48 s against 15.57-15.95 s (H100). Both in
+    # benchmarks/RESULTS.md.
     MULTI_TENSOR_UPDATE = True
     # A compiled step's weight-gradient products, and the wide layers' bias gradients, taken together at the end of
     # its backward pass, in one launch (`kernels.grouped_products.WeightGradientsTogether`, a pass over inductor's
