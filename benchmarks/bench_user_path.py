@@ -32,6 +32,7 @@ A table is printed last; --output writes JSON.
 """
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -114,12 +115,20 @@ def best_of(command, runs=3) -> float:
 # Packages the README's install does not bring that transformers imports when present (scipy's optimizers and
 # torchvision, for its object-detection losses) or that GPU images often carry (scikit-learn).
 EXTRA_PACKAGES = ("scipy", "torchvision", "sklearn")
+# The stack whose versions a result names: a figure holds for these versions, which a fresh install moves on.
+STACK = ("torch", "triton", "transformers", "accelerate", "tokenizers", "huggingface_hub", "safetensors", "datasets")
 
 
 def environment() -> dict:
-    """The python that runs the commands, and which of EXTRA_PACKAGES it can import."""
+    """The python that runs the commands, which of EXTRA_PACKAGES it can import and the versions of STACK."""
     present = [name for name in EXTRA_PACKAGES if importlib.util.find_spec(name) is not None]
-    return {"python": sys.executable, "prefix": sys.prefix, "extra_packages_present": present}
+    versions = {}
+    for name in STACK:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"python": sys.executable, "prefix": sys.prefix, "extra_packages_present": present, "versions": versions}
 
 
 def last_finetuned_checkpoint(work: Path, parser: argparse.ArgumentParser) -> Path:
@@ -300,6 +309,7 @@ def main(argv=None):
     print(f"\n{results.get('device', 'start-up only')}; whole processes, as a user waits")
     present = results["environment"]["extra_packages_present"]
     print(f"python {sys.executable}; of {', '.join(EXTRA_PACKAGES)} it imports: {', '.join(present) or 'none'}")
+    print(", ".join(f"{name} {version}" for name, version in results["environment"]["versions"].items()))
     print(f"{'import hf_knowgpt':<64}{startup['import_hf_knowgpt_s']:>8.2f} s")
     print(f"{'scripts/pretrain.py --help':<64}{startup['pretrain_help_s']:>8.2f} s")
     print(f"{'scripts/train.py --help':<64}{startup['train_help_s']:>8.2f} s")
