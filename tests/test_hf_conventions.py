@@ -12,6 +12,7 @@ LoRA adapters. `tests/test_modeling.py` holds the causality and cache-format con
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
 
+import inspect
 import warnings
 
 import pytest
@@ -187,15 +188,63 @@ def test_the_old_cache_keyword_works_and_warns_where_transformers_renamed_it(att
     assert bool(future) == CACHE_RENAMED  # transformers' own deprecation notice where it renamed the keyword
 
 
+# transformers renamed gradient checkpointing to activation checkpointing (5.23 has both names, 5.17 the old only;
+# from 5.25 the old names warn until v6); 5.17 already takes `every_n_layers` and `offload`.
+RENAMED_CHECKPOINTING = hasattr(KnowGPTForCausalLM, "activation_checkpointing_enable")
+CHECKPOINTING_ENABLE = (
+    KnowGPTForCausalLM.activation_checkpointing_enable
+    if RENAMED_CHECKPOINTING
+    else KnowGPTForCausalLM.gradient_checkpointing_enable
+)
+ACTIVATION_CHECKPOINTING_OPTIONS = "every_n_layers" in inspect.signature(CHECKPOINTING_ENABLE).parameters
+
+
+def enable_checkpointing(model, use_reentrant, **options):
+    """Checkpointing on through the name this transformers has, without its deprecation warnings."""
+    if RENAMED_CHECKPOINTING:
+        model.activation_checkpointing_enable({"use_reentrant": use_reentrant}, **options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, **options)
+
+
+def disable_checkpointing(model):
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+
+
+CHECKPOINTING_OPTIONS = [
+    pytest.param({}, id="every-layer"),
+    pytest.param(
+        {"every_n_layers": 2},
+        id="every-second-layer",
+        marks=pytest.mark.skipif(
+            not ACTIVATION_CHECKPOINTING_OPTIONS, reason="this transformers has no every_n_layers or offload"
+        ),
+    ),
+    pytest.param(  # on the GPU: transformers pins the host copies, which a torch without an accelerator cannot
+        {"offload": True},
+        id="offloaded",
+        marks=[
+            pytest.mark.skipif(
+                not ACTIVATION_CHECKPOINTING_OPTIONS, reason="this transformers has no every_n_layers or offload"
+            ),
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading pins host memory: needs CUDA"),
+        ],
+    ),
+]
+
+
 @pytest.mark.parametrize("attention_type", ATTENTION_TYPES)
 @pytest.mark.parametrize("use_reentrant", [True, False])
-def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_reentrant):
+@pytest.mark.parametrize("options", CHECKPOINTING_OPTIONS)
+def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_reentrant, options):
     """check_training_gradient_checkpointing: every checkpointed layer's forward runs again in the backward
-    pass, and the gradients equal the plain ones (dropout included: checkpointing replays its RNG state)."""
-    model = make_model(attention_type)
+    pass (every `every_n_layers`-th layer where given), and the gradients equal the plain ones (dropout included:
+    checkpointing replays its RNG state), with the saved activations offloaded to the host or not."""
+    device = "cuda" if options.get("offload") else "cpu"
+    model = make_model(attention_type).to(device)
     assert model.supports_gradient_checkpointing
     model.train()
-    ids = inputs()
+    ids = inputs().to(device)
 
     def gradients():
         model.zero_grad()
@@ -204,19 +253,26 @@ def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_re
         return {name: p.grad.clone() for name, p in model.named_parameters()}
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    assert len(layers) == model.config.n_layer  # every block, the perceiver's projections included
+    assert len(layers) == model.config.n_layer >= 2  # every block, the perceiver's projections included
     calls = []
-    for layer in layers:  # each layer's first LayerNorm runs once per forward pass, and again when recomputed
-        layer.ln1.register_forward_pre_hook(lambda *_: calls.append(1))
+    for index, layer in enumerate(
+        layers
+    ):  # each layer's first LayerNorm runs once a forward pass, again if recomputed
+        layer.ln1.register_forward_pre_hook(lambda *_, index=index: calls.append(index))
     plain = gradients()
-    plain_calls = len(calls)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert calls == list(range(len(layers))) and not any(layer.gradient_checkpointing for layer in layers)
+    every = options.get("every_n_layers", 1)
+    enable_checkpointing(model, use_reentrant, **options)
+    assert [layer.gradient_checkpointing for layer in layers] == [i % every == 0 for i in range(len(layers))]
+    calls.clear()
     checkpointed = gradients()
-    assert plain_calls == len(layers) and len(calls) - plain_calls == 2 * len(layers)
+    recomputed = sorted(calls[len(layers) :])
+    assert calls[: len(layers)] == list(range(len(layers))) and recomputed == list(range(0, len(layers), every))
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
-    model.gradient_checkpointing_disable()
+    disable_checkpointing(model)
+    assert not any(layer.gradient_checkpointing for layer in layers)
 
 
 SAMPLE = "Ada Lovelace was born in London.\nJosé Martí was born in Havana.\n"
