@@ -12,7 +12,6 @@ LoRA adapters. `tests/test_modeling.py` holds the causality and cache-format con
 Where a contract cannot apply as written, the test says why: the perceiver's latent layers work on
 bottleneck_dim positions, so their attention weights and hidden states are not (T, T) and (T, C)."""
 
-import inspect
 import warnings
 
 import pytest
@@ -189,14 +188,8 @@ def test_the_old_cache_keyword_works_and_warns_where_transformers_renamed_it(att
 
 
 # transformers renamed gradient checkpointing to activation checkpointing (5.23 has both names, 5.17 the old only;
-# from 5.25 the old names warn until v6); 5.17 already takes `every_n_layers` and `offload`.
+# from 5.25 the old names warn until v6). Both take `every_n_layers` and `offload` since 5.17.
 RENAMED_CHECKPOINTING = hasattr(KnowGPTForCausalLM, "activation_checkpointing_enable")
-CHECKPOINTING_ENABLE = (
-    KnowGPTForCausalLM.activation_checkpointing_enable
-    if RENAMED_CHECKPOINTING
-    else KnowGPTForCausalLM.gradient_checkpointing_enable
-)
-ACTIVATION_CHECKPOINTING_OPTIONS = "every_n_layers" in inspect.signature(CHECKPOINTING_ENABLE).parameters
 
 
 def enable_checkpointing(model, use_reentrant, **options):
@@ -208,27 +201,16 @@ def enable_checkpointing(model, use_reentrant, **options):
 
 
 def disable_checkpointing(model):
-    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    (model.activation_checkpointing_disable if RENAMED_CHECKPOINTING else model.gradient_checkpointing_disable)()
 
 
 CHECKPOINTING_OPTIONS = [
     pytest.param({}, id="every-layer"),
-    pytest.param(
-        {"every_n_layers": 2},
-        id="every-second-layer",
-        marks=pytest.mark.skipif(
-            not ACTIVATION_CHECKPOINTING_OPTIONS, reason="this transformers has no every_n_layers or offload"
-        ),
-    ),
-    pytest.param(  # on the GPU: transformers pins the host copies, which a torch without an accelerator cannot
+    pytest.param({"every_n_layers": 2}, id="every-second-layer"),
+    pytest.param(  # transformers pins the host copies, which a torch without an accelerator refuses
         {"offload": True},
         id="offloaded",
-        marks=[
-            pytest.mark.skipif(
-                not ACTIVATION_CHECKPOINTING_OPTIONS, reason="this transformers has no every_n_layers or offload"
-            ),
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading pins host memory: needs CUDA"),
-        ],
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading pins host memory: needs CUDA"),
     ),
 ]
 
@@ -255,9 +237,8 @@ def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_re
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     assert len(layers) == model.config.n_layer >= 2  # every block, the perceiver's projections included
     calls = []
-    for index, layer in enumerate(
-        layers
-    ):  # each layer's first LayerNorm runs once a forward pass, again if recomputed
+    # Each layer's first LayerNorm runs once a forward pass, and again where the backward pass recomputes it.
+    for index, layer in enumerate(layers):
         layer.ln1.register_forward_pre_hook(lambda *_, index=index: calls.append(index))
     plain = gradients()
     assert calls == list(range(len(layers))) and not any(layer.gradient_checkpointing for layer in layers)
