@@ -91,6 +91,20 @@ def perturbed_model(attention_type, **overrides):
     return model
 
 
+def enable_activation_checkpointing(model, checkpoint_kwargs=None, **options):
+    """Checkpointing on through the name this transformers has: `activation_checkpointing_enable` where it exists
+    (5.23 on; from 5.25 the old name warns until v6), else `gradient_checkpointing_enable` (5.17). Both take
+    `every_n_layers` and `offload`."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(checkpoint_kwargs, **options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs, **options)
+
+
+def disable_activation_checkpointing(model):
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
 def write_cs224n_named_synthetic(directory, num_people=40, seed=0) -> Path:
     """A synthetic corpus written under the CS224N file names (what --data_dir expects)."""
     from data_loaders import write_synthetic_corpus

@@ -9,7 +9,7 @@ The kernel tests need Triton and either a CUDA device or Triton's interpreter on
 import pytest
 import torch
 from conftest import KERNEL_DEVICE as DEVICE
-from conftest import needs_kernel
+from conftest import enable_activation_checkpointing, needs_kernel
 
 from hf_knowgpt import layers_knowgpt
 from hf_knowgpt.kernels import dropout_masks
@@ -137,7 +137,7 @@ def test_residual_dropouts_take_their_masks_from_one_draw(attention_type, monkey
     draws.clear()
     taken.clear()
     monkeypatch.setattr(layers_knowgpt, "DROPOUT_MASKS_TOGETHER", True)
-    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    enable_activation_checkpointing(model)
     _train_step(model, ids)
     assert not taken, "no masks drawn together with gradient checkpointing"
     assert all(shape == (2, 9, config.n_embd) for shape in draws)  # (a CPU's dropout draws its own way)

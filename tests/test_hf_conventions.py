@@ -16,7 +16,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import ATTENTION_TYPES, perturbed_model, tiny_config
+from conftest import (
+    ATTENTION_TYPES,
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    perturbed_model,
+    tiny_config,
+)
 from transformers import pipeline
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -187,23 +193,6 @@ def test_the_old_cache_keyword_works_and_warns_where_transformers_renamed_it(att
     assert bool(future) == CACHE_RENAMED  # transformers' own deprecation notice where it renamed the keyword
 
 
-# transformers renamed gradient checkpointing to activation checkpointing (5.23 has both names, 5.17 the old only;
-# from 5.25 the old names warn until v6). Both take `every_n_layers` and `offload` since 5.17.
-RENAMED_CHECKPOINTING = hasattr(KnowGPTForCausalLM, "activation_checkpointing_enable")
-
-
-def enable_checkpointing(model, use_reentrant, **options):
-    """Checkpointing on through the name this transformers has, without its deprecation warnings."""
-    if RENAMED_CHECKPOINTING:
-        model.activation_checkpointing_enable({"use_reentrant": use_reentrant}, **options)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}, **options)
-
-
-def disable_checkpointing(model):
-    (model.activation_checkpointing_disable if RENAMED_CHECKPOINTING else model.gradient_checkpointing_disable)()
-
-
 CHECKPOINTING_OPTIONS = [
     pytest.param({}, id="every-layer"),
     pytest.param({"every_n_layers": 2}, id="every-second-layer"),
@@ -243,7 +232,7 @@ def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_re
     plain = gradients()
     assert calls == list(range(len(layers))) and not any(layer.gradient_checkpointing for layer in layers)
     every = options.get("every_n_layers", 1)
-    enable_checkpointing(model, use_reentrant, **options)
+    enable_activation_checkpointing(model, {"use_reentrant": use_reentrant}, **options)
     assert [layer.gradient_checkpointing for layer in layers] == [i % every == 0 for i in range(len(layers))]
     calls.clear()
     checkpointed = gradients()
@@ -252,7 +241,7 @@ def test_gradient_checkpointing_gives_the_plain_gradients(attention_type, use_re
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], msg=name)
-    disable_checkpointing(model)
+    disable_activation_checkpointing(model)
     assert not any(layer.gradient_checkpointing for layer in layers)
 
 

@@ -2,7 +2,13 @@ import copy
 
 import pytest
 import torch
-from conftest import ATTENTION_TYPES, perturbed_model, run_checkpoint_code_without_the_package, tiny_config
+from conftest import (
+    ATTENTION_TYPES,
+    enable_activation_checkpointing,
+    perturbed_model,
+    run_checkpoint_code_without_the_package,
+    tiny_config,
+)
 from torch.nn import functional as F
 from transformers import AutoModel, AutoModelForCausalLM
 
@@ -425,7 +431,7 @@ def test_fused_layers_train_as_the_plain_blocks(attention_type, packed, monkeypa
             norms = [norm for block, after in zip(blocks, [*(b.ln1 for b in blocks[1:]), model.transformer.ln_f])
                      for norm in (block.ln2, after)]  # fmt: skip
             assert [id(weight) for weight in calls] == [id(norm.weight) for norm in norms]
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()  # 5.x's name
+            enable_activation_checkpointing(model)
             calls.clear()
             model(ids, labels=ids, token_index=token_index, use_cache=False).loss.backward()
             assert not calls
