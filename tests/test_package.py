@@ -3,6 +3,7 @@
 
 import ast
 import gc
+import importlib
 import re
 import subprocess
 import sys
@@ -23,6 +24,21 @@ def test_importing_the_package_loads_neither_torch_nor_transformers():
         "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'evaluate', 'triton', 'accelerate') if m in sys.modules))"
     )
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("package_name", ["hf_knowgpt", "data_loaders"])
+def test_each_lazily_exported_name_is_its_modules_public_object(package_name):
+    # the export table is written by hand beside each module's `__all__`: a renamed or dropped name must fail
+    # here, not when a user's `from hf_knowgpt import ...` first reaches it
+    package = importlib.import_module(package_name)
+    for module_name, names in package._EXPORTS.items():
+        module = importlib.import_module(f"{package_name}.{module_name}")
+        for name in names:
+            assert name in module.__all__, f"{package_name}.{module_name} does not export {name}"
+            assert getattr(package, name) is getattr(module, name)
+    assert set(package.__all__) <= set(dir(package))
+    with pytest.raises(AttributeError, match=f"module '{package_name}' has no attribute 'no_such_name'"):
+        _ = package.no_such_name
 
 
 @pytest.mark.parametrize("script", ["pretrain", "finetune", "train", "evaluate_checkpoint", "run"])
