@@ -426,6 +426,15 @@ def synthetic_size(args) -> dict:
     return {"num_people": args.num_people} if args.num_people else {}
 
 
+def add_finetune_recipe_argument(parser):
+    parser.add_argument(
+        "--finetune_recipe",
+        choices=sorted(RECIPES),
+        default=None,
+        help="take the finetuning stage from this recipe (the knowledge recipe has none after pretraining)",
+    )
+
+
 def add_debug_argument(parser):
     parser.add_argument(
         "--debug", action="store_true", help="show the traceback of input errors too (also KNOWGPT_DEBUG=1)"

@@ -28,12 +28,7 @@ def parse_args(argv=None):
         default=None,
         help="the pretraining corpus: vocabulary when starting from scratch, and the schedule's corpus size",
     )
-    parser.add_argument(
-        "--finetune_recipe",
-        choices=sorted(cli.RECIPES),
-        default=None,
-        help="take the finetuning stage from this recipe (the knowledge recipe has none after pretraining)",
-    )
+    cli.add_finetune_recipe_argument(parser)
     cli.add_model_arguments(parser)
     cli.add_training_arguments(parser, stage="finetune")
     cli.add_debug_argument(parser)

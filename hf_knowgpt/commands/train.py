@@ -51,12 +51,7 @@ def parse_args(argv=None):
         default=None,
         help="finetune (default: when the recipe has that stage)",
     )
-    stages.add_argument(
-        "--finetune_recipe",
-        choices=sorted(cli.RECIPES),
-        default=None,
-        help="take the finetuning stage from this recipe (the knowledge recipe has none after pretraining)",
-    )
+    cli.add_finetune_recipe_argument(stages)
     parser.add_argument("--eval_batch_size", type=int, default=512, help="questions decoded together")
     cli.add_model_arguments(parser)
     cli.add_data_arguments(parser)
