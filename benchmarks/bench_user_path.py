@@ -26,7 +26,8 @@ more on a machine whose image has more (transformers imports scipy and torchvisi
 JSON and the table name the python and which of those packages it could import.
 The table ends with where a run's seconds go: start-up, imports, data, the training loop's set-up, loading what
 earlier runs compiled, compilation and capture, steps, saving, evaluation and exit, from the marks train.py writes
-into results.json (`timeline`) and each stage's `setup_seconds`, `load_seconds` and `warmup_seconds`.
+into results.json (`timeline`) and each stage's `setup_seconds`, `load_seconds` and `warmup_seconds`; the
+evaluation's line, where its seconds go, from the marks it writes to `$KNOWGPT_TIMELINE_FILE`.
 Always: `import hf_knowgpt`, `scripts/pretrain.py --help` and `scripts/train.py --help`, best of three.
 A table is printed last; --output writes JSON.
 """
@@ -294,12 +295,18 @@ def main(argv=None):
             }
             print(json.dumps(results[key]), flush=True)
         checkpoint = Path(results[keys[-1]]["output_dir"]) / "finetuned"
+        marks_file, clock = work / "evaluate.timeline.json", {}
         seconds, output = timed(
             [sys.executable, SCRIPTS / "evaluate_checkpoint.py", "--model_name_or_path", checkpoint, "--eval_corpus_path",
              data / "birth_dev.tsv", "--outputs_path", work / "evaluate.predictions"],
-            work / "evaluate.log",
+            work / "evaluate.log", env={"KNOWGPT_TIMELINE_FILE": str(marks_file)}, clock=clock,
         )  # fmt: skip
-        results["evaluate"] = {"process_s": seconds, "accuracy": accuracy_line(output)}
+        marks = json.loads(marks_file.read_text())
+        results["evaluate"] = {
+            "process_s": seconds,
+            "accuracy": accuracy_line(output),
+            "breakdown_s": phase_seconds(clock["started"], marks, clock["ended"]),
+        }
         results["handout_loop"] = handout_loop(data, args.attention_type, work, epochs)
         print(json.dumps(results["handout_loop"]), flush=True)
     if args.output:
@@ -330,7 +337,9 @@ def main(argv=None):
             f"{'train.py ' + args.attention_type + ' bf16, ' + run:<64}{row['process_s']:>8.1f} s   "
             f"{row['accuracy']}   ({handout['recipe_s'] / row['process_s']:.1f}× less than the handouts' loop)"
         )
-    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<64}{results['evaluate']['process_s']:>8.1f} s")
+    evaluate = results["evaluate"]
+    print(f"{'scripts/evaluate_checkpoint.py, 500 questions':<64}{evaluate['process_s']:>8.1f} s   (" + "; ".join(
+        f"{label} {seconds:.2f} s" for label, seconds in evaluate["breakdown_s"]) + ")")  # fmt: skip
     print(f"\nwhere the seconds go (train.py {args.attention_type}, bf16); columns: " + "; ".join(
         f"{i + 1} = {run}" for i, run in enumerate(keys)))  # fmt: skip
     print(f"{'phase':<70}" + "".join(f"{i + 1:>8}" for i in range(len(keys))))

@@ -56,7 +56,7 @@ def test_the_reference_model_drops_out_only_in_training_and_starts_from_the_hand
     assert not torch.equal(model(ids), model(ids))
 
 
-def test_the_timeline_accounts_for_every_second_of_a_train_run(tmp_path):
+def test_the_timeline_accounts_for_every_second_of_a_train_run_and_an_evaluation(tmp_path):
     data = write_cs224n_named_synthetic(tmp_path, num_people=40)
     output_dir = tmp_path / "run"
     command = [sys.executable, str(REPO_ROOT / "scripts" / "train.py"), "--recipe", "handout", "--data_dir", str(data),
@@ -81,6 +81,29 @@ def test_the_timeline_accounts_for_every_second_of_a_train_run(tmp_path):
     assert abs(phases["pretrain: steps"] - (pretrain["train_seconds"] - pretrain["warmup_seconds"])) < 0.05
     assert abs(sum(seconds for _, seconds in rows) - (ended - started)) < 1e-6
     assert all(seconds >= 0 for _, seconds in rows)
+
+    # scripts/evaluate_checkpoint.py on its checkpoint writes its marks where $KNOWGPT_TIMELINE_FILE says
+    marks_file = tmp_path / "evaluate.timeline.json"
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "evaluate_checkpoint.py"), "--model_name_or_path",
+               str(output_dir / "finetuned"), "--eval_corpus_path", str(data / "birth_dev.tsv")]  # fmt: skip
+    started = time.time()
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, **CPU_ONLY, "KNOWGPT_TIMELINE_FILE": str(marks_file)})  # fmt: skip
+    ended = time.time()
+    assert result.returncode == 0, result.stderr[-3000:]
+    marks = json.loads(marks_file.read_text())
+    assert [label for label, _ in marks] == [
+        "interpreter and command start-up",
+        "flags read, libraries imported (torch, transformers)",
+        "questions read, checkpoint loaded",
+        "questions answered, predictions written",
+    ]
+    stamps = [stamp for _, stamp in marks]
+    assert stamps == sorted(stamps) and started <= stamps[0] and stamps[-1] <= ended
+    # without the variable, no file
+    marks_file.unlink()
+    assert subprocess.run(command, capture_output=True, cwd=REPO_ROOT, env={**os.environ, **CPU_ONLY}).returncode == 0
+    assert not marks_file.exists()
 
 
 def test_phases_run_from_the_launch_to_the_exit():

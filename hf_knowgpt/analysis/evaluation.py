@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from data_loaders.corpus import DataFiles, read_birthplaces
 
 from ..qa import HANDOUT_MAX_NEW_TOKENS, format_accuracy, handout_accuracy, predict_birthplaces
+from ..utils import timeline
 from ..utils.checkpoints import (
     check_model_folder,
     looks_like_hub_id,
@@ -82,6 +83,7 @@ def evaluate_birthplaces(
     if model is None:
         device = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_checkpoint(model_name_or_path, device)
+        timeline.mark("questions read, checkpoint loaded")  # a command's phase; a caller's own model adds none
     questions, gold = [r.question for r in records], [r.answer for r in records]
     lines = [r.line for r in records]
     predictions = predict_birthplaces(

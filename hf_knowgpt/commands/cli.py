@@ -511,6 +511,9 @@ def run_script(main):
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
+    from ..utils import timeline
+
+    timeline.write_if_asked()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

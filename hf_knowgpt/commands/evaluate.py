@@ -37,6 +37,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    from ..utils import timeline
+
+    timeline.reset()
+    timeline.mark("interpreter and command start-up")
     args = parse_args(argv)
     from ..utils.cuda_context import start_primary_context
 
@@ -44,6 +48,7 @@ def main(argv=None):
     from ..analysis.evaluation import evaluate_birthplaces
 
     cli.libraries_loaded()
+    timeline.mark("flags read, libraries imported (torch, transformers)")
     result = evaluate_birthplaces(
         args.model_name_or_path,
         eval_corpus_path=args.eval_corpus_path,
@@ -55,6 +60,7 @@ def main(argv=None):
         update_model_card=args.update_model_card,
         **cli.synthetic_size(args),
     )
+    timeline.mark("questions answered, predictions written")
     print(result["message"])
     return result
 
