@@ -2,8 +2,10 @@
 """Is the graphed training step bound by the host or by the device? `scripts/train.py` with the given
 flags (use a recipe whose path is the graphed one, on a GPU); once, after step 1000 of pretraining, it
 times (1) the host's preparation of 200 packed steps alone (indices, corruption draws, token index,
-copies to the device), (2) 200 replays of the step's CUDA graph back to back (device time per step), then
-lets the run go on; at the end, the host's preparation and the replay calls averaged over all steps. A
+copies to the device), (2) 200 replays of the step's CUDA graph back to back (device time per step), (3) the
+next 200 steps taken as `run` takes them (prepared, then replayed) against their graphs replayed back to back
+without preparation, the model and optimizer put back after each (the time between replays: at most what one
+CUDA graph for several steps would save), then lets the run go on; at the end, the host's preparation and the replay calls averaged over all steps. A
 diagnostic: the 200 extra replays train the model further than the run would. `--nn_embedding` (taken
 out before the rest goes to train.py) runs the embeddings as plain `nn.Embedding`, for a side-by-side
 figure of KnowGPTEmbedding's gradient.
@@ -34,6 +36,29 @@ def timed_prepare(self, global_step):
     return capacity
 
 
+def steps_as_run_and_graphs_alone(self, first_step, capacities) -> tuple[float, float]:
+    """ms per step of `capacities`' steps taken as `run` takes them, each prepared then replayed, and of the same
+    graphs replayed back to back without preparation; the model, optimizer and step counter are put back
+    after each, so the run goes on from where it was."""
+    snapshot = self._snapshot()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for i in range(len(capacities)):
+        self.graphs[prepare(self, first_step + i)].replay()
+    torch.cuda.synchronize()
+    loop_ms = (time.perf_counter() - started) / len(capacities) * 1e3
+    self._restore(snapshot)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for capacity in capacities:
+        self.graphs[capacity].replay()
+    torch.cuda.synchronize()
+    replays_ms = (time.perf_counter() - started) / len(capacities) * 1e3
+    self._restore(snapshot)
+    prepare(self, first_step)  # the inputs of the step the run takes next
+    return loop_ms, replays_ms
+
+
 def measured_run(self, first_step, count, should_stop):
     if not totals["measured"] and first_step >= MEASURE_AFTER and self.packed:
         totals["measured"] = True
@@ -54,6 +79,12 @@ def measured_run(self, first_step, count, should_stop):
             device_ms = start.elapsed_time(end) / COUNT
             print(f"\n[graphed step] host preparation {host_ms:.3f} ms per step; device, {COUNT} replays of the "
                   f"{capacity}-token graph back to back, {device_ms:.3f} ms per step\n", flush=True)  # fmt: skip
+        if all(capacity in self.graphs for capacity in capacities):
+            loop_ms, replays_ms = steps_as_run_and_graphs_alone(self, first_step, capacities)
+            print(f"[graphed step] the next {COUNT} steps as run() takes them (preparation, then replay) "
+                  f"{loop_ms:.4f} ms per step; their graphs replayed back to back, inputs left as they are, "
+                  f"{replays_ms:.4f} ms per step; between replays {1e3 * (loop_ms - replays_ms):.1f} µs a step, "
+                  "at most what one graph for several steps would save\n", flush=True)  # fmt: skip
     started = time.perf_counter()
     done = run(self, first_step, count, should_stop)
     totals["run_s"] += time.perf_counter() - started
