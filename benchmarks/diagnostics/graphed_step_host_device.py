@@ -28,9 +28,9 @@ prepare, run = fast_path.GraphedStepper._prepare_packed, fast_path.GraphedSteppe
 totals = {"prepare_s": 0.0, "steps": 0, "run_s": 0.0, "measured": False}
 
 
-def timed_prepare(self, global_step):
+def timed_prepare(self, global_step, planned=None):
     started = time.perf_counter()
-    capacity = prepare(self, global_step)
+    capacity = prepare(self, global_step, planned)
     totals["prepare_s"] += time.perf_counter() - started
     totals["steps"] += 1
     return capacity
