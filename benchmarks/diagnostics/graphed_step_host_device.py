@@ -5,8 +5,9 @@ times (1) the host's preparation of 200 packed steps alone (indices, corruption 
 copies to the device), (2) 200 replays of the step's CUDA graph back to back (device time per step), (3) the
 next 200 steps taken as `run` takes them (prepared, then replayed) against their graphs replayed back to back
 without preparation, the model and optimizer put back after each (the time between replays: at most what one
-CUDA graph for several steps would save), then lets the run go on; at the end, the host's preparation and the replay calls averaged over all steps. A
-diagnostic: the 200 extra replays train the model further than the run would. `--nn_embedding` (taken
+CUDA graph for several steps would save), then lets the run go on; at the end, the host's preparation and the
+replay calls averaged over all steps. A diagnostic: the 200 replays of (2) train the model further than the run
+would. `--nn_embedding` (taken
 out before the rest goes to train.py) runs the embeddings as plain `nn.Embedding`, for a side-by-side
 figure of KnowGPTEmbedding's gradient.
 
