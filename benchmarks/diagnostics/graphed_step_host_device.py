@@ -7,9 +7,8 @@ next 200 steps taken as `run` takes them (prepared, then replayed) against their
 without preparation, the model and optimizer put back after each (the time between replays: at most what one
 CUDA graph for several steps would save), then lets the run go on; at the end, the host's preparation and the
 replay calls averaged over all steps. A diagnostic: the 200 replays of (2) train the model further than the run
-would. `--nn_embedding` (taken
-out before the rest goes to train.py) runs the embeddings as plain `nn.Embedding`, for a side-by-side
-figure of KnowGPTEmbedding's gradient.
+would. `--nn_embedding` (taken out before the rest goes to train.py) runs the embeddings as plain `nn.Embedding`,
+for a side-by-side figure of KnowGPTEmbedding's gradient.
 
     python benchmarks/diagnostics/graphed_step_host_device.py --recipe handout --attention_type vanilla \\
         --data_dir .data --mixed_precision bf16 --no_do_finetune --output_dir /tmp/g
