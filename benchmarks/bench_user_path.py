@@ -15,7 +15,10 @@ On a GPU, in one run:
    artifacts the package saved from an earlier compiled run (`compiled-cold-saved-artifacts`: a new machine
    or container given ~/.cache/hf_knowgpt); compiled under `accelerate launch --mixed_precision bf16`
    (warm), whose launcher is a process of its own; with `--tune_kernels` added, compiled (`tuned-cold`,
-   `tuned-warm`) or `auto` (`auto-tuned-cold`, `auto-tuned-warm`).
+   `tuned-warm`) or `auto` (`auto-tuned-cold`, `auto-tuned-warm`). With --processes N (N > 1) every run is the
+   README's several-GPU command instead, `accelerate launch --multi_gpu --num_processes N --num_machines 1
+   --mixed_precision bf16 --dynamo_backend no scripts/train.py ...` with the same flags but bf16, which the
+   launcher gives: one process per GPU, timed as a user waits for the launcher.
 2. `scripts/evaluate_checkpoint.py` on the finetuned checkpoint (500 questions).
 3. The handouts' own loop beside it (benchmarks/handout_loop.py: their model arithmetic, trainer and
    evaluation re-stated), a few epochs and questions timed as a whole process and the rest of their
@@ -79,11 +82,41 @@ def wait_for_background_compiles(folder: Path, timeout: float = 600.0) -> float:
     return time.perf_counter() - started
 
 
-def accelerate_launch(mixed_precision: str) -> list[str]:
+def accelerate_launch(mixed_precision: str, processes: int = 1) -> list[str]:
     accelerate = shutil.which("accelerate")
     command = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
-    return command + ["--num_processes", "1", "--num_machines", "1", "--mixed_precision", mixed_precision,
-                      "--dynamo_backend", "no"]  # fmt: skip
+    return command + ["--multi_gpu"] * (processes > 1) + [
+        "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", mixed_precision,
+        "--dynamo_backend", "no",
+    ]  # fmt: skip
+
+
+def train_commands(recipe: list, processes: int = 1) -> dict[str, list]:
+    """Each of RUNS as the command it runs: `python scripts/train.py RECIPE --mixed_precision bf16 ...` on one
+    process, the README's several-GPU command (`accelerate launch --multi_gpu ...`, bf16 from the launcher) on
+    `processes` > 1."""
+    launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe]
+    if processes > 1:
+        direct = [*accelerate_launch("bf16", processes), SCRIPTS / "train.py", *recipe]
+    else:
+        direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16"]
+    return {
+        "compiled-cold": [*direct, "--torch_compile"],
+        "compiled-cold-saved-artifacts": [*direct, "--torch_compile"],
+        "compiled-warm": [*direct, "--torch_compile"],
+        "compiled-warm-one-compile-thread": [*direct, "--torch_compile"],
+        "compiled-warm-accelerate-launch": [*(direct if processes > 1 else launched), "--torch_compile"],
+        "uncompiled-cold": direct,
+        "uncompiled-warm": direct,
+        "uncompiled-cold-fused-layers": [*direct, "--fused_layers"],
+        "uncompiled-warm-fused-layers": [*direct, "--fused_layers"],
+        "auto-cold": [*direct, "--torch_compile", "auto"],
+        "auto-warm": [*direct, "--torch_compile", "auto"],
+        "tuned-cold": [*direct, "--torch_compile", "--tune_kernels"],
+        "tuned-warm": [*direct, "--torch_compile", "--tune_kernels"],
+        "auto-tuned-cold": [*direct, "--torch_compile", "auto", "--tune_kernels"],
+        "auto-tuned-warm": [*direct, "--torch_compile", "auto", "--tune_kernels"],
+    }
 
 
 def timed(command, log: Path, env=None, clock: dict | None = None) -> tuple[float, str]:
@@ -217,6 +250,12 @@ def main(argv=None):
         help=f"train.py runs, in order, from {', '.join(RUNS)} (default {','.join(DEFAULT_RUNS)}); a cold run "
         "empties the TorchInductor and Triton caches first, a warm one reuses what the runs before it left",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="GPUs: above 1, every run is the README's `accelerate launch --multi_gpu --num_processes N` command",
+    )
     parser.add_argument("--startup_only", action="store_true", help="only the start-up figures")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a new temporary one)")
     parser.add_argument("--output", default=None, help="write every measurement as JSON here")
@@ -235,6 +274,8 @@ def main(argv=None):
         if len(epochs) != 3 or epochs[0] < 2 or epochs[1] < 2 or epochs[2] < 1:
             parser.error(f"--handout_epochs takes 'all' or P,F,Q with P, F ≥ 2 and Q ≥ 1, got {args.handout_epochs!r}")
 
+    if args.processes < 1:
+        parser.error(f"--processes takes a count of GPUs, 1 or more, got {args.processes}")
     results = {"environment": environment(), "startup": startup_times()}
     print(json.dumps(results["environment"]), flush=True)
     print(json.dumps(results["startup"]), flush=True)
@@ -242,28 +283,15 @@ def main(argv=None):
         import torch
 
         results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+        results["processes"] = args.processes
         work = Path(args.workdir or tempfile.mkdtemp(prefix="knowgpt-user-path-"))
         data = Path(args.data_dir)
         recipe = ["--recipe", "handout", "--attention_type", args.attention_type, "--data_dir", data]
-        direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16"]
-        launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe]
-        commands = {
-            "compiled-cold": [*direct, "--torch_compile"],
-            "compiled-cold-saved-artifacts": [*direct, "--torch_compile"],
-            "compiled-warm": [*direct, "--torch_compile"],
-            "compiled-warm-one-compile-thread": [*direct, "--torch_compile"],
-            "compiled-warm-accelerate-launch": [*launched, "--torch_compile"],
-            "uncompiled-cold": direct,
-            "uncompiled-warm": direct,
-            "uncompiled-cold-fused-layers": [*direct, "--fused_layers"],
-            "uncompiled-warm-fused-layers": [*direct, "--fused_layers"],
-            "auto-cold": [*direct, "--torch_compile", "auto"],
-            "auto-warm": [*direct, "--torch_compile", "auto"],
-            "tuned-cold": [*direct, "--torch_compile", "--tune_kernels"],
-            "tuned-warm": [*direct, "--torch_compile", "--tune_kernels"],
-            "auto-tuned-cold": [*direct, "--torch_compile", "auto", "--tune_kernels"],
-            "auto-tuned-warm": [*direct, "--torch_compile", "auto", "--tune_kernels"],
-        }
+        commands = train_commands(recipe, args.processes)
+        if args.processes > 1 and args.processes > torch.cuda.device_count():
+            parser.error(
+                f"--processes {args.processes} takes one GPU each; this machine has {torch.cuda.device_count()}"
+            )
         # a run named twice is kept twice: the second as "<run> (2)", and so on
         keys = [
             run if runs[:i].count(run) == 0 else f"{run} ({runs[:i].count(run) + 1})" for i, run in enumerate(runs)
@@ -313,7 +341,8 @@ def main(argv=None):
         Path(args.output).write_text(json.dumps(results, indent=2))
 
     startup = results["startup"]
-    print(f"\n{results.get('device', 'start-up only')}; whole processes, as a user waits")
+    gpus = f" × {results['processes']} processes" if results.get("processes", 1) > 1 else ""
+    print(f"\n{results.get('device', 'start-up only')}{gpus}; whole processes, as a user waits")
     present = results["environment"]["extra_packages_present"]
     print(f"python {sys.executable}; of {', '.join(EXTRA_PACKAGES)} it imports: {', '.join(present) or 'none'}")
     print(", ".join(f"{name} {version}" for name, version in results["environment"]["versions"].items()))

@@ -119,6 +119,25 @@ def test_the_handout_loop_is_timed_over_at_least_two_epochs_of_each_stage(capsys
         assert "--handout_epochs takes 'all' or P,F,Q" in capsys.readouterr().err
 
 
+def test_the_user_path_on_several_gpus_runs_the_readmes_several_gpu_command(capsys):
+    """`--processes N` times the README's `accelerate launch --multi_gpu` command (bf16 from the launcher, not
+    train.py), every run of it; one process runs `python scripts/train.py ... --mixed_precision bf16`."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("accelerate launch --multi_gpu"))
+    readme_launcher = line.split(" scripts/train.py")[0].split()
+    recipe = ["--recipe", "handout", "--attention_type", "vanilla", "--data_dir", "data"]
+    readme_options = readme_launcher[2:]  # after "accelerate launch" (or "python -m accelerate.commands.launch")
+    for run, command in bench_user_path.train_commands(recipe, processes=2).items():
+        launcher = command[: command.index(bench_user_path.SCRIPTS / "train.py")]
+        assert launcher[-len(readme_options) :] == readme_options, run
+        assert "--mixed_precision" not in command[len(launcher) :], run
+    one = bench_user_path.train_commands(recipe)["auto-cold"]
+    assert one[0] == sys.executable and one[-4:] == ["--mixed_precision", "bf16", "--torch_compile", "auto"]
+    with pytest.raises(SystemExit):
+        bench_user_path.main(["--startup_only", "--processes", "0"])
+    assert "--processes takes a count of GPUs" in capsys.readouterr().err
+
+
 def test_step_variants_gives_each_run_its_own_seed():
     """`--seed N`, added to each run's train.py flags, reaches train.py: not read as the script's `--seeds`."""
     _, args, train_args = step_variants.parse_args(
