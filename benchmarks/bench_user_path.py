@@ -83,8 +83,10 @@ def wait_for_background_compiles(folder: Path, timeout: float = 600.0) -> float:
 
 
 def accelerate_launch(mixed_precision: str, processes: int = 1) -> list[str]:
-    accelerate = shutil.which("accelerate")
-    command = [accelerate, "launch"] if accelerate else [sys.executable, "-m", "accelerate.commands.launch"]
+    """`accelerate launch ...` of this python's environment (its `accelerate` script, as an activated virtual
+    environment finds it, else the module): one found elsewhere on PATH would run another python's packages."""
+    script = Path(sys.executable).with_name("accelerate")
+    command = [script, "launch"] if script.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
     return command + ["--multi_gpu"] * (processes > 1) + [
         "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", mixed_precision,
         "--dynamo_backend", "no",
