@@ -30,11 +30,16 @@ LOSS_STEPS = (1400, 2300, 4600, 9000, 14949)
 
 
 def launch(processes: int, mixed_precision: str, script: Path, *arguments) -> list[str]:
-    """`script` with `arguments` under accelerate's launcher: `processes` processes (one GPU each)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes)]
-    command += ["--num_machines", "1", "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
-    if processes > 1:
-        command.append("--multi_gpu")
+    """`script` with `arguments` under accelerate's launcher, `processes` processes (one GPU each), as the README
+    writes it: `accelerate launch [--multi_gpu] --num_processes N --num_machines 1 --mixed_precision P
+    --dynamo_backend no`. The launcher is this python's environment's (its `accelerate` script, as an activated
+    virtual environment finds it, else the module): one found elsewhere on PATH would run another python's packages."""
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = (
+        [str(accelerate), "launch"] if accelerate.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
+    )
+    command += ["--multi_gpu"] * (processes > 1) + ["--num_processes", str(processes), "--num_machines", "1"]
+    command += ["--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
     return [*command, str(script), *map(str, arguments)]
 
 

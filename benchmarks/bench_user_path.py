@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_processes import launch  # benchmarks/ is not a package: this script's folder is on the path
+
 from hf_knowgpt.utils.timeline import phase_seconds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -82,24 +84,13 @@ def wait_for_background_compiles(folder: Path, timeout: float = 600.0) -> float:
     return time.perf_counter() - started
 
 
-def accelerate_launch(mixed_precision: str, processes: int = 1) -> list[str]:
-    """`accelerate launch ...` of this python's environment (its `accelerate` script, as an activated virtual
-    environment finds it, else the module): one found elsewhere on PATH would run another python's packages."""
-    script = Path(sys.executable).with_name("accelerate")
-    command = [script, "launch"] if script.is_file() else [sys.executable, "-m", "accelerate.commands.launch"]
-    return command + ["--multi_gpu"] * (processes > 1) + [
-        "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", mixed_precision,
-        "--dynamo_backend", "no",
-    ]  # fmt: skip
-
-
 def train_commands(recipe: list, processes: int = 1) -> dict[str, list]:
     """Each of RUNS as the command it runs: `python scripts/train.py RECIPE --mixed_precision bf16 ...` on one
     process, the README's several-GPU command (`accelerate launch --multi_gpu ...`, bf16 from the launcher) on
     `processes` > 1."""
-    launched = [*accelerate_launch("bf16"), SCRIPTS / "train.py", *recipe]
+    launched = launch(1, "bf16", SCRIPTS / "train.py", *recipe)
     if processes > 1:
-        direct = [*accelerate_launch("bf16", processes), SCRIPTS / "train.py", *recipe]
+        direct = launch(processes, "bf16", SCRIPTS / "train.py", *recipe)
     else:
         direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16"]
     return {

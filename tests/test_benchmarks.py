@@ -128,7 +128,7 @@ def test_the_user_path_on_several_gpus_runs_the_readmes_several_gpu_command(caps
     recipe = ["--recipe", "handout", "--attention_type", "vanilla", "--data_dir", "data"]
     readme_options = readme_launcher[2:]  # after "accelerate launch" (or "python -m accelerate.commands.launch")
     for run, command in bench_user_path.train_commands(recipe, processes=2).items():
-        launcher = command[: command.index(bench_user_path.SCRIPTS / "train.py")]
+        launcher = command[: command.index(str(bench_user_path.SCRIPTS / "train.py"))]
         assert launcher[-len(readme_options) :] == readme_options, run
         assert "--mixed_precision" not in command[len(launcher) :], run
     one = bench_user_path.train_commands(recipe)["auto-cold"]
