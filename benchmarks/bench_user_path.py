@@ -88,17 +88,16 @@ def train_commands(recipe: list, processes: int = 1) -> dict[str, list]:
     """Each of RUNS as the command it runs: `python scripts/train.py RECIPE --mixed_precision bf16 ...` on one
     process, the README's several-GPU command (`accelerate launch --multi_gpu ...`, bf16 from the launcher) on
     `processes` > 1."""
-    launched = launch(1, "bf16", SCRIPTS / "train.py", *recipe)
-    if processes > 1:
-        direct = launch(processes, "bf16", SCRIPTS / "train.py", *recipe)
-    else:
-        direct = [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16"]
+    launched = launch(processes, "bf16", SCRIPTS / "train.py", *recipe)
+    direct = (
+        launched if processes > 1 else [sys.executable, SCRIPTS / "train.py", *recipe, "--mixed_precision", "bf16"]
+    )
     return {
         "compiled-cold": [*direct, "--torch_compile"],
         "compiled-cold-saved-artifacts": [*direct, "--torch_compile"],
         "compiled-warm": [*direct, "--torch_compile"],
         "compiled-warm-one-compile-thread": [*direct, "--torch_compile"],
-        "compiled-warm-accelerate-launch": [*(direct if processes > 1 else launched), "--torch_compile"],
+        "compiled-warm-accelerate-launch": [*launched, "--torch_compile"],
         "uncompiled-cold": direct,
         "uncompiled-warm": direct,
         "uncompiled-cold-fused-layers": [*direct, "--fused_layers"],
@@ -269,6 +268,13 @@ def main(argv=None):
 
     if args.processes < 1:
         parser.error(f"--processes takes a count of GPUs, 1 or more, got {args.processes}")
+    if args.processes > 1 and not args.startup_only:  # before the start-up figures are timed
+        import torch
+
+        if args.processes > torch.cuda.device_count():
+            parser.error(
+                f"--processes {args.processes} takes one GPU each; this machine has {torch.cuda.device_count()}"
+            )
     results = {"environment": environment(), "startup": startup_times()}
     print(json.dumps(results["environment"]), flush=True)
     print(json.dumps(results["startup"]), flush=True)
@@ -281,10 +287,6 @@ def main(argv=None):
         data = Path(args.data_dir)
         recipe = ["--recipe", "handout", "--attention_type", args.attention_type, "--data_dir", data]
         commands = train_commands(recipe, args.processes)
-        if args.processes > 1 and args.processes > torch.cuda.device_count():
-            parser.error(
-                f"--processes {args.processes} takes one GPU each; this machine has {torch.cuda.device_count()}"
-            )
         # a run named twice is kept twice: the second as "<run> (2)", and so on
         keys = [
             run if runs[:i].count(run) == 0 else f"{run} ({runs[:i].count(run) + 1})" for i, run in enumerate(runs)
